@@ -1,0 +1,122 @@
+"""One build-and-load lifecycle: spec -> plan -> rendered sources -> key -> cache (compile on a miss) -> kernel."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdagen import paths
+from kdagen.cache import ArtifactCache
+from kdagen.errors import BuildError, CacheMissError
+from kdagen.keys import cache_key, toolchain_fingerprint
+from kdagen.plan import Plan, make_plan
+from kdagen.render import render_variant
+from kdagen.spec import KernelSpec, resolve_spec, validate_capabilities
+
+
+@dataclass
+class BuildResult:
+    name: str | None
+    spec: KernelSpec
+    slug: str
+    key: str
+    stages: list[str]
+    compile_seconds: float
+    artifact_bytes: int
+    cached: bool
+    paths: dict[str, Path] = field(default_factory=dict)
+    plan: Plan | None = None
+
+
+def _options(spec: KernelSpec) -> str:
+    from kdagen.compile import compile_options  # no cutlass import: compile imports it lazily
+
+    return compile_options(spec.arch)
+
+
+def describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any]]:
+    """(plan, rendered sources, key, key parts) without compiling anything."""
+    validate_capabilities(spec)
+    plan = make_plan(spec)
+    rendered = render_variant(spec, plan)
+    key, parts = cache_key(spec, rendered, _options(spec))
+    return plan, rendered, key, parts
+
+
+def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: Path) -> tuple[dict, float]:
+    from kdagen.compile import compile_stage_file
+
+    # The DSL re-reads kernel source from disk while compiling, so the rendered files live next to the
+    # artifacts they produced (the cache entry), independent of any checkout's generated/ tree.
+    src = entry / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    objects: dict[str, bytes] = {}
+    seconds = 0.0
+    for stage in plan.stages:
+        path = src / f"{stage.name}.py"
+        path.write_text(rendered[path.name])
+        try:
+            result = compile_stage_file(path, spec.arch)
+        except Exception as e:  # the DSL raises many types; report the stage and the spec
+            raise BuildError(f"compiling stage {stage.name!r} of {spec.slug()} for {spec.arch} failed: {e}") from e
+        objects[stage.name] = result.object_bytes
+        seconds += result.seconds
+    return objects, seconds
+
+
+def build_variant(spec: Any, force: bool = False, name: str | None = None) -> BuildResult:
+    """Make sure the variant's artifacts are in the cache (compiling them on a miss); returns what was done."""
+    vname, spec = resolve_spec(spec)
+    name = name or vname
+    plan, rendered, key, parts = describe(spec)
+    cache = ArtifactCache()
+    stages = plan.stage_names
+    found = None if force else cache.lookup(spec, key, stages)
+    if found is None:
+        if paths.jit_disabled():
+            raise CacheMissError(
+                f"{paths.ENV_DISABLE_JIT}=1 and no cached build of {name or spec.slug()} (key {key}) in "
+                f"{cache.root}; build it first: kdagen build <specfile> (spec: {spec.canonical_json()})"
+            )
+        with cache.lock(spec, key):
+            found = None if force else cache.lookup(spec, key, stages)  # another process may have built it
+            if found is None:
+                objects, seconds = _compile_all(spec, plan, rendered, cache.entry_dir(spec, key))
+                meta = {
+                    "name": name,
+                    "compile_seconds": round(seconds, 3),
+                    "toolchain": toolchain_fingerprint(),
+                    "key_parts": {k: v["sha256"] for k, v in parts.items()},
+                    "plan": {"family": plan.family, "reason": plan.reason},
+                }
+                found = cache.publish(spec, key, objects, meta)
+                size = sum(len(b) for b in objects.values())
+                return BuildResult(name, spec, spec.slug(), key, stages, seconds, size, False, found, plan)
+    size = sum(p.stat().st_size for p in found.values())
+    return BuildResult(name, spec, spec.slug(), key, stages, 0.0, size, True, found, plan)
+
+
+_loaded: dict[str, Any] = {}
+_lock = threading.Lock()
+last_load_seconds: float = 0.0
+
+
+def get_kernel(spec: Any):
+    """A ready `KDAKernel` for `spec` (a KernelSpec, a dict, or "file.yaml:name"); cached per process."""
+    global last_load_seconds
+    from kdagen.compile import load_object
+    from kdagen.runtime import KDAKernel
+
+    start = time.perf_counter()
+    name, spec = resolve_spec(spec)
+    with _lock:
+        built = build_variant(spec, name=name)
+        hit = _loaded.get(built.key)
+        if hit is None:
+            funcs = {stage: load_object(path) for stage, path in built.paths.items()}
+            hit = _loaded[built.key] = KDAKernel(spec, built.plan, funcs, name=name)
+    last_load_seconds = time.perf_counter() - start
+    return hit

@@ -1,0 +1,105 @@
+"""Compile one rendered stage file for its exact target, without a GPU.
+
+The generated module declares ``SIGNATURE`` (argument table) and ``ENTRY`` (the ``@cute.jit`` host function);
+this module turns the table into fake tensors with symbolic dims, runs ``cute.compile`` with ``--gpu-arch`` and
+``--enable-tvm-ffi`` and exports the result as a C-ABI object. It never launches anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# The argument alignment every tensor is compiled for. The runtime copies misaligned inputs (rare: a view
+# with an odd storage offset) so the compiled 16-byte cp.async paths stay valid.
+TENSOR_ALIGN = 16
+EXPORT_FUNCTION = "fn"
+
+
+def compile_options(arch: str) -> str:
+    return f"--gpu-arch {arch} --enable-tvm-ffi"
+
+
+@dataclass(frozen=True)
+class CompiledStage:
+    name: str
+    object_bytes: bytes
+    seconds: float
+
+
+def _import_generated(path: Path):
+    # A unique module name per file: several variants are compiled in one process.
+    name = "kdagen_gen_" + path.parent.name.replace("-", "_") + "_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # the DSL re-reads the source from this file when compiling
+    return module
+
+
+def _pin_arch(arch: str) -> None:
+    # Without a GPU the DSL defaults to sm_100a; pin the session arch so trace-time checks and the
+    # export agree with --gpu-arch (cutedsl.md §1, "Choosing the target").
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    CuTeDSL._get_dsl().envar.arch = arch
+
+
+def fake_arguments(signature) -> list:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    symbols: dict[str, object] = {}
+
+    def dim(d):
+        if isinstance(d, int):
+            return d
+        if d not in symbols:
+            symbols[d] = cute.sym_int32(symbol=d)
+        return symbols[d]
+
+    args = []
+    for name, kind, dtype, shape in signature:
+        if kind == "tensor":
+            dims = tuple(dim(d) for d in shape)
+            order = tuple(range(len(dims) - 1, -1, -1))  # row-major: last dim innermost
+            args.append(
+                make_fake_compact_tensor(
+                    getattr(cutlass, dtype), dims, stride_order=order, assumed_align=TENSOR_ALIGN
+                )
+            )
+        else:
+            args.append(getattr(cutlass, kind)(0))
+    return args
+
+
+def compile_stage_file(path: Path, arch: str) -> CompiledStage:
+    """Compile the generated stage at ``path`` for ``arch`` and return the exported object bytes."""
+    import cutlass.cute as cute
+
+    _pin_arch(arch)
+    start = time.perf_counter()
+    module = _import_generated(path)
+    entry = getattr(module, module.ENTRY)
+    compiled = cute.compile(entry, *fake_arguments(module.SIGNATURE), options=compile_options(arch))
+    fd, tmp = tempfile.mkstemp(suffix=".o")
+    os.close(fd)
+    try:
+        compiled.export_to_c(tmp, function_name=EXPORT_FUNCTION)
+        data = Path(tmp).read_bytes()
+    finally:
+        os.unlink(tmp)
+    return CompiledStage(path.stem, data, time.perf_counter() - start)
+
+
+def load_object(path: Path):
+    """Load an exported stage object; returns the raw positional-only ``tvm_ffi.Function``."""
+    import cutlass.cute as cute
+
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), EXPORT_FUNCTION)

@@ -1,0 +1,210 @@
+"""`KDAKernel`: validates a call, allocates outputs and workspaces, and launches the planned stages.
+
+Contract (what is validated, what is the caller's duty):
+- q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; dtypes as the spec says.
+  Non-contiguous or misaligned inputs are copied first (as FLA's input guard does); outputs never alias inputs.
+- cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,
+  non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the caller's duty,
+  because reading them would synchronise with the GPU (`validate_cu_seqlens` does that check on request).
+  Tokens past cu_seqlens[-1] get o = 0.
+- initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
+- No host-device synchronisation, so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kdagen.errors import InputError
+from kdagen.plan import CHUNK, Plan
+from kdagen.spec import KernelSpec
+
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ALIGN = 16  # bytes; the stages are compiled for 16-byte aligned tensors
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InputError(msg)
+
+
+def _check_tensor(name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    _need(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype == dtype, f"{name}: expected dtype {dtype}, got {t.dtype}")
+    _need(t.device == device, f"{name}: expected a tensor on {device} (where q is), got {t.device}")
+    _need(tuple(t.shape) == shape, f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def _prepared(t: torch.Tensor) -> torch.Tensor:
+    # The compiled stages assume compact row-major, 16-byte aligned storage.
+    if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> None:
+    """Check the values of ``cu_seqlens`` (reads them on the host: synchronises if they live on a GPU)."""
+    vals = cu_seqlens.detach().to("cpu", torch.int64)
+    _need(vals.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
+    _need(int(vals[0]) == 0, f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(vals[0])}")
+    steps = vals[1:] - vals[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        bad = int(torch.nonzero(steps < 0)[0, 0])
+        raise InputError(
+            f"cu_seqlens: expected non-decreasing values, got {int(vals[bad])} then {int(vals[bad + 1])} "
+            f"at index {bad}"
+        )
+    if total_tokens is not None:
+        _need(
+            int(vals[-1]) <= total_tokens,
+            f"cu_seqlens: last value {int(vals[-1])} exceeds the {total_tokens} tokens of q",
+        )
+
+
+class KDAKernel:
+    """A loaded, ready-to-call KDA forward for one spec."""
+
+    def __init__(self, spec: KernelSpec, plan: Plan, stages: dict[str, Callable], name: str | None = None):
+        self.spec = spec
+        self.plan = plan
+        self.name = name
+        self._prepare = stages["prepare"]
+        self._recurrence = stages["recurrence"]
+        self._dummies: dict[tuple, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"KDAKernel({self.name or self.spec.slug()}, family={self.plan.family})"
+
+    def _state_shape(self, n: int, hv: int) -> tuple[int, int, int, int]:
+        k, v = self.spec.head_dim_k, self.spec.head_dim_v
+        return (n, hv, k, v) if self.spec.state_layout == "kv" else (n, hv, v, k)
+
+    def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        # Constant helper tensors (zero gate parameters, unused state slots) are made once per device/shape,
+        # so steady-state calls allocate only outputs and workspaces.
+        t = self._dummies.get(key)
+        if t is None:
+            t = self._dummies[key] = make()
+        return t
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float | None = None,
+        A_log: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        spec = self.spec
+        kdim, vdim = spec.head_dim_k, spec.head_dim_v
+        dt = _TORCH_DTYPE[spec.dtype]
+
+        # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
+        _need(isinstance(q, torch.Tensor), f"q: expected a torch.Tensor, got {type(q).__name__}")
+        _need(q.dim() == 4, f"q: expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+        device = q.device
+        _need(device.type == "cuda", f"q: expected a CUDA tensor, got device {device}")
+        bsz, seqlen, nh, kq = q.shape
+        _need(kq == kdim, f"q: expected head dim K={kdim} (the spec's head_dim_k), got {kq}")
+        _need(q.dtype == dt, f"q: expected dtype {dt} (the spec's dtype {spec.dtype}), got {q.dtype}")
+        _check_tensor("k", k, dt, (bsz, seqlen, nh, kdim), device)
+        _need(isinstance(v, torch.Tensor) and v.dim() == 4,
+              f"v: expected 4 dims [B, T, HV, V], got {getattr(v, 'shape', v)}")
+        hv = v.shape[2]
+        _need(hv % nh == 0 and hv // nh == spec.gva_ratio,
+              f"v: expected HV = gva_ratio * H = {spec.gva_ratio} * {nh} = {spec.gva_ratio * nh} value heads "
+              f"(HV must be a multiple of H), got HV={hv}")
+        _check_tensor("v", v, dt, (bsz, seqlen, hv, vdim), device)
+        _check_tensor("g", g, _TORCH_DTYPE[spec.g_dtype], (bsz, seqlen, hv, kdim), device)
+        _check_tensor("beta", beta, _TORCH_DTYPE[spec.beta_dtype], (bsz, seqlen, hv), device)
+
+        total = bsz * seqlen
+        if cu_seqlens is None:
+            nseq = bsz
+        else:
+            _need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1,
+                  "cu_seqlens: expected a 1-D tensor [N+1]")
+            _need(cu_seqlens.dtype in (torch.int32, torch.int64),
+                  f"cu_seqlens: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+            _need(cu_seqlens.device == device or cu_seqlens.device.type == "cpu",
+                  f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
+            _need(bsz == 1, f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
+            _need(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
+            if cu_seqlens.device.type == "cpu":
+                validate_cu_seqlens(cu_seqlens, total)
+            nseq = cu_seqlens.numel() - 1
+
+        if spec.gate == "softplus":
+            _need(A_log is not None, "A_log: required by the softplus gate (gate: softplus in the spec)")
+        if spec.gate != "precomputed":
+            if A_log is not None:
+                _check_tensor("A_log", A_log, torch.float32, (hv,), device)
+            if dt_bias is not None:
+                _need(isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == hv * kdim,
+                      f"dt_bias: expected {hv * kdim} elements ([HV*K] or [HV, K]), got "
+                      f"{list(getattr(dt_bias, 'shape', []))}")
+                _check_tensor("dt_bias", dt_bias, torch.float32, tuple(dt_bias.shape), device)
+        else:
+            _need(A_log is None and dt_bias is None,
+                  "A_log/dt_bias: given, but the spec's gate is 'precomputed' (g is already the log-decay)")
+        if initial_state is not None:
+            _check_tensor("initial_state", initial_state, torch.float32, self._state_shape(nseq, hv), device)
+        if scale is None:
+            scale = kdim ** -0.5
+
+        # ---- outputs; nothing to launch for empty inputs ----
+        zero_fill = cu_seqlens is not None  # tokens past cu_seqlens[-1] (padding) must read as zeros
+        o = (torch.zeros if zero_fill else torch.empty)((total, hv, vdim), dtype=dt, device=device)
+        ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
+            if output_final_state else None
+        if total == 0 or nseq == 0:
+            if ht is not None:
+                ht.copy_(initial_state) if initial_state is not None else ht.zero_()
+            return o.view(bsz, seqlen, hv, vdim), ht
+
+        if cu_seqlens is None:
+            cu = self._cached(("cu", device, bsz, seqlen), lambda: torch.arange(
+                0, total + 1, seqlen, dtype=torch.int32, device=device))
+        else:
+            cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        cu = _prepared(cu)
+
+        q2 = _prepared(q).view(total, nh, kdim)
+        k2 = _prepared(k).view(total, nh, kdim)
+        v2 = _prepared(v).view(total, hv, vdim)
+        g2 = _prepared(g).view(total, hv, kdim)
+        b2 = _prepared(beta).view(total, hv)
+
+        # ---- workspaces (kda-math.md §2.3 folded form, per 16-token tile) ----
+        num_tile_slots = total // CHUNK + nseq + 1  # bound of the tile-id map floor(bos/16) + seq + step
+        kd = torch.empty((total, hv, kdim), dtype=dt, device=device)
+        qd = torch.empty_like(kd)
+        akt = torch.empty_like(kd)
+        aq = torch.empty((total, hv, CHUNK), dtype=dt, device=device)
+        gt = torch.empty((num_tile_slots, hv, kdim), dtype=torch.float32, device=device)
+
+        args = [q2, k2, g2, b2]
+        if spec.gate != "precomputed":
+            a_log = A_log if A_log is not None else self._cached(
+                ("zeros", device, hv), lambda: torch.zeros(hv, dtype=torch.float32, device=device))
+            bias = dt_bias.reshape(hv, kdim) if dt_bias is not None else self._cached(
+                ("zeros", device, hv, kdim), lambda: torch.zeros(hv, kdim, dtype=torch.float32, device=device))
+            args += [_prepared(a_log), _prepared(bias)]
+        self._prepare(*args, cu, kd, qd, akt, aq, gt, float(scale))
+
+        unused = self._cached(("state", device, hv), lambda: torch.zeros(
+            self._state_shape(1, hv), dtype=torch.float32, device=device))
+        h0 = _prepared(initial_state) if initial_state is not None else unused
+        self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht if ht is not None else unused, o,
+                         int(initial_state is not None), int(ht is not None))
+        return o.view(bsz, seqlen, hv, vdim), ht
