@@ -1,4 +1,7 @@
-"""One build-and-load lifecycle: spec -> plan -> rendered sources -> key -> cache (compile on a miss) -> kernel."""
+"""One build-and-load lifecycle.
+
+spec -> plan -> rendered sources -> key -> cache (compile on a miss) -> loaded kernel.
+"""
 
 from __future__ import annotations
 
@@ -61,14 +64,16 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
         try:
             result = compile_stage_file(path, spec.arch)
         except Exception as e:  # the DSL raises many types; report the stage and the spec
-            raise BuildError(f"compiling stage {stage.name!r} of {spec.slug()} for {spec.arch} failed: {e}") from e
+            raise BuildError(
+                f"compiling stage {stage.name!r} of {spec.slug()} for {spec.arch} failed: {e}"
+            ) from e
         objects[stage.name] = result.object_bytes
         seconds += result.seconds
     return objects, seconds
 
 
 def build_variant(spec: Any, force: bool = False, name: str | None = None) -> BuildResult:
-    """Make sure the variant's artifacts are in the cache (compiling them on a miss); returns what was done."""
+    """Make sure the variant's artifacts are in the cache, compiling them on a miss; says what was done."""
     vname, spec = resolve_spec(spec)
     name = name or vname
     plan, rendered, key, parts = describe(spec)

@@ -1,8 +1,8 @@
 """Compile one rendered stage file for its exact target, without a GPU.
 
-The generated module declares ``SIGNATURE`` (argument table) and ``ENTRY`` (the ``@cute.jit`` host function);
-this module turns the table into fake tensors with symbolic dims, runs ``cute.compile`` with ``--gpu-arch`` and
-``--enable-tvm-ffi`` and exports the result as a C-ABI object. It never launches anything.
+The generated module declares ``SIGNATURE`` (argument table) and ``ENTRY`` (the ``@cute.jit`` host
+function); this module turns the table into fake tensors with symbolic dims, runs ``cute.compile`` with
+``--gpu-arch`` and ``--enable-tvm-ffi`` and exports the result as a C-ABI object. It never launches anything.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def fake_arguments(signature) -> list:
         return symbols[d]
 
     args = []
-    for name, kind, dtype, shape in signature:
+    for _name, kind, dtype, shape in signature:
         if kind == "tensor":
             dims = tuple(dim(d) for d in shape)
             order = tuple(range(len(dims) - 1, -1, -1))  # row-major: last dim innermost

@@ -13,11 +13,11 @@ from kdagen.spec import KernelSpec
 # The DSL numeric type names the templates use for each spec dtype.
 _DSL_DTYPE = {"bf16": "BFloat16", "fp16": "Float16", "fp32": "Float32"}
 
-# Tokens per recurrence step. 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range under
-# the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
+# Tokens per recurrence step. 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range
+# under the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
 CHUNK = 16
-# Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head) in two
-# CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
+# Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
+# in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
 
 

@@ -2,10 +2,12 @@
 
 Contract (what is validated, what is the caller's duty):
 - q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; dtypes as the spec says.
-  Non-contiguous or misaligned inputs are copied first (as FLA's input guard does); outputs never alias inputs.
+  Non-contiguous or misaligned inputs are copied first (as FLA's input guard does); outputs never alias
+  inputs.
 - cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,
-  non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the caller's duty,
-  because reading them would synchronise with the GPU (`validate_cu_seqlens` does that check on request).
+  non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the
+  caller's duty, because reading them would synchronise with the GPU (`validate_cu_seqlens` does that
+  check on request).
   Tokens past cu_seqlens[-1] get o = 0.
 - initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
 - No host-device synchronisation, so a call can be captured in a CUDA graph.
@@ -31,7 +33,9 @@ def _need(cond: bool, msg: str) -> None:
         raise InputError(msg)
 
 
-def _check_tensor(name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+def _check_tensor(
+    name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> None:
     _need(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _need(t.dtype == dtype, f"{name}: expected dtype {dtype}, got {t.dtype}")
     _need(t.device == device, f"{name}: expected a tensor on {device} (where q is), got {t.device}")
@@ -74,6 +78,9 @@ class KDAKernel:
         self._prepare = stages["prepare"]
         self._recurrence = stages["recurrence"]
         self._dummies: dict[tuple, torch.Tensor] = {}
+        import tvm_ffi
+
+        self._ffi = tvm_ffi
 
     def __repr__(self) -> str:
         return f"KDAKernel({self.name or self.spec.slug()}, family={self.plan.family})"
@@ -198,13 +205,20 @@ class KDAKernel:
             a_log = A_log if A_log is not None else self._cached(
                 ("zeros", device, hv), lambda: torch.zeros(hv, dtype=torch.float32, device=device))
             bias = dt_bias.reshape(hv, kdim) if dt_bias is not None else self._cached(
-                ("zeros", device, hv, kdim), lambda: torch.zeros(hv, kdim, dtype=torch.float32, device=device))
+                ("zeros", device, hv, kdim),
+                lambda: torch.zeros(hv, kdim, dtype=torch.float32, device=device),
+            )
             args += [_prepared(a_log), _prepared(bias)]
-        self._prepare(*args, cu, kd, qd, akt, aq, gt, float(scale))
-
         unused = self._cached(("state", device, hv), lambda: torch.zeros(
             self._state_shape(1, hv), dtype=torch.float32, device=device))
         h0 = _prepared(initial_state) if initial_state is not None else unused
-        self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht if ht is not None else unused, o,
-                         int(initial_state is not None), int(ht is not None))
+
+        # The stages launch on TVM-FFI's environment stream: point it at torch's current stream, so calls
+        # order with surrounding torch work and are recorded by CUDA-graph capture.
+        stream = torch.cuda.current_stream(device).cuda_stream
+        ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
+        with self._ffi.use_raw_stream(ffi_device, stream):
+            self._prepare(*args, cu, kd, qd, akt, aq, gt, float(scale))
+            self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht if ht is not None else unused, o,
+                             int(initial_state is not None), int(ht is not None))
         return o.view(bsz, seqlen, hv, vdim), ht

@@ -1,0 +1,46 @@
+"""kdagen: a compiler for KDA (Kimi Delta Attention) forward kernels.
+
+YAML spec -> planner -> Jinja templates rendered into ``generated/`` -> CuTe DSL compile -> binary cache ->
+``kdagen.get_kernel(spec)``.
+
+Importing this package is cheap and touches no GPU: it loads the spec model only. cutlass, tvm_ffi and torch
+are imported when a kernel is built or loaded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from kdagen.errors import BuildError, CacheMissError, InputError, KdagenError, SpecError  # noqa: E402
+from kdagen.spec import KernelSpec, load_spec_file, resolve_spec  # noqa: E402
+
+if TYPE_CHECKING:
+    from kdagen.runtime import KDAKernel
+
+__all__ = [
+    "__version__",
+    "KernelSpec",
+    "load_spec_file",
+    "resolve_spec",
+    "get_kernel",
+    "KdagenError",
+    "SpecError",
+    "InputError",
+    "CacheMissError",
+    "BuildError",
+]
+
+
+def get_kernel(spec: KernelSpec | dict[str, Any] | str) -> KDAKernel:
+    """A ready KDA forward for `spec` (a `KernelSpec`, a dict of fields, or ``"specs/sm90.yaml:<name>"``).
+
+    Builds into the cache on a miss (or raises `CacheMissError` under ``KDAGEN_DISABLE_JIT=1``), then loads.
+    Call it as ``o, final_state = kernel(q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None,
+    initial_state=None, output_final_state=False, cu_seqlens=None)``.
+    """
+    # Lazy: the build layer imports cutlass and tvm_ffi, which `import kdagen` must not.
+    from kdagen.build import get_kernel as _g
+
+    return _g(spec)

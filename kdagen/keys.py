@@ -1,0 +1,99 @@
+"""The binary cache key: what is hashed, and how it is explained.
+
+key = sha256 over the sha256 of four parts (design.md "Keys"), cut to 24 hex:
+
+- ``spec``: the canonical spec JSON;
+- ``sources``: the sha256 of every rendered stage file (so a template edit is a new key);
+- ``toolchain``: the CuTe DSL distributions, apache-tvm-ffi, and the libs flavour (cu12/cu13);
+- ``compile_options``: the options string given to ``cute.compile``.
+
+Not the Python version: a TVM-FFI ``.o`` is a C-ABI object, and building on a CPU box for a GPU fleet is a
+use this project exists for. Nothing here imports cutlass: versions come from package metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import re
+from functools import lru_cache
+from typing import Any
+
+from kdagen.spec import KernelSpec
+
+__all__ = ["KEY_HEX", "toolchain_fingerprint", "cache_key", "sha256_text"]
+
+KEY_HEX = 24
+_DSL = "nvidia-cutlass-dsl"
+_FLAVOUR_RE = re.compile(r"^nvidia-cutlass-dsl-libs-cu(\d+)$")
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canon(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@lru_cache(maxsize=1)
+def toolchain_fingerprint() -> dict[str, str | None]:
+    """The compiler stack that shapes an artifact, read from package metadata (cutlass is not imported).
+
+    Returns a flat, sorted mapping: each relevant ``nvidia-cutlass-dsl*`` distribution -> version,
+    ``apache-tvm-ffi`` -> version (None if absent), and ``cuda_flavour`` -> ``"cuNN"`` (None if absent).
+
+    The flavour is the newest installed ``nvidia-cutlass-dsl-libs-cuNN``: what the DSL loads without a driver,
+    and with a CUDA 13 driver when cu13 is installed (cutedsl.md §6). Flavours that are installed but not
+    selected are left out: ``nvidia-cutlass-dsl`` always pulls ``-libs-cu12`` even when cu13 is the one in
+    use, and an unused library must not split the key between a build box and a GPU host. Cached per
+    process; call ``toolchain_fingerprint.cache_clear()`` after changing installed packages.
+    """
+    found: dict[str, str] = {}
+    for dist in md.distributions():
+        name = _normalize(dist.metadata.get("Name") or "")
+        # First one wins, as for imports: sys.path order.
+        if (name.startswith(_DSL) or name == "apache-tvm-ffi") and name not in found:
+            found[name] = dist.version
+    flavours = sorted((int(m.group(1)), n) for n in found if (m := _FLAVOUR_RE.match(n)))
+    selected = flavours[-1][1] if flavours else None
+    out: dict[str, str | None] = {
+        n: v for n, v in found.items() if n.startswith(_DSL) and not (_FLAVOUR_RE.match(n) and n != selected)
+    }
+    out["apache-tvm-ffi"] = found.get("apache-tvm-ffi")
+    out["cuda_flavour"] = "cu" + _FLAVOUR_RE.match(selected).group(1) if selected else None
+    return dict(sorted(out.items()))
+
+
+def cache_key(
+    spec: KernelSpec,
+    rendered: dict[str, str],
+    compile_options: str,
+    *,
+    toolchain: dict[str, Any] | None = None,
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(24-hex key, explained parts) for one variant.
+
+    `rendered` maps file name -> rendered text (what `kdagen.render.render_variant` returns). The parts map
+    ``spec``, ``sources``, ``toolchain``, ``compile_options`` to ``{"value": ..., "sha256": ...}``; the key is
+    the sha256 of the JSON of ``{part: sha256}``. `toolchain` defaults to `toolchain_fingerprint()`.
+    """
+    tc = toolchain_fingerprint() if toolchain is None else toolchain
+    sources = {name: sha256_text(text) for name, text in sorted(rendered.items())}
+    values: dict[str, Any] = {
+        "spec": spec.canonical_json(),
+        "sources": sources,
+        "toolchain": dict(sorted(tc.items())),
+        "compile_options": compile_options,
+    }
+    parts = {
+        name: {"value": value, "sha256": sha256_text(value if isinstance(value, str) else _canon(value))}
+        for name, value in values.items()
+    }
+    key = sha256_text(_canon({name: part["sha256"] for name, part in parts.items()}))[:KEY_HEX]
+    return key, parts

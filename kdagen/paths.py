@@ -1,0 +1,123 @@
+"""Every path and every environment variable kdagen uses, in one place.
+
+Where things are found:
+
+- **From a checkout** (the normal case, including ``pip install -e .``): the package directory's parent is
+  the repository root when it holds ``pyproject.toml``; ``templates/``, ``specs/``, ``generated/`` and
+  ``benchmarks/`` are read from there.
+- **From a wheel** (``pip install .``): pyproject maps ``templates/`` and ``specs/`` into the package as
+  ``kdagen/_data/templates`` and ``kdagen/_data/specs``, so they ship as package data and are found there.
+  Rendered sources then go to ``<cache dir>/generated`` unless ``KDAGEN_GENERATED_DIR`` says otherwise.
+
+Environment variables (read on every call, so tests and long-lived processes see changes):
+
+- ``KDAGEN_CACHE_DIR``: the artifact store; default ``~/.cache/kdagen``.
+- ``KDAGEN_GENERATED_DIR``: where rendered sources are written; default ``<repo>/generated``.
+- ``KDAGEN_DISABLE_JIT``: ``1``/``true``/``yes``/``on`` turns a cache miss into `CacheMissError`
+  (serving must not compile).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "ENV_CACHE_DIR",
+    "ENV_DISABLE_JIT",
+    "ENV_GENERATED_DIR",
+    "package_dir",
+    "repo_root",
+    "data_root",
+    "templates_dir",
+    "specs_dir",
+    "benchmarks_dir",
+    "generated_dir",
+    "cache_dir",
+    "jit_disabled",
+    "find_spec_file",
+]
+
+ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
+ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
+ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def package_dir() -> Path:
+    """The directory of the `kdagen` package itself."""
+    return Path(__file__).resolve().parent
+
+
+def repo_root() -> Path | None:
+    """The checkout this package runs from, or None when it runs from an installed wheel."""
+    root = package_dir().parent
+    # pyproject.toml next to the package means a source tree (a wheel never installs one there).
+    if (root / "pyproject.toml").is_file() and (root / "kdagen").is_dir():
+        return root
+    return None
+
+
+def data_root() -> Path:
+    """Where ``templates/`` and ``specs/`` live: the checkout, else the wheel's ``kdagen/_data``."""
+    root = repo_root()
+    return root if root is not None else package_dir() / "_data"
+
+
+def templates_dir() -> Path:
+    return data_root() / "templates"
+
+
+def specs_dir() -> Path:
+    return data_root() / "specs"
+
+
+def benchmarks_dir() -> Path | None:
+    """``benchmarks/`` of the checkout; benchmarks are not shipped in the wheel."""
+    root = repo_root()
+    return root / "benchmarks" if root is not None else None
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def cache_dir() -> Path:
+    """The artifact store root (``$KDAGEN_CACHE_DIR``, default ``~/.cache/kdagen``)."""
+    return _env_path(ENV_CACHE_DIR) or Path("~/.cache/kdagen").expanduser()
+
+
+def generated_dir() -> Path:
+    """Where rendered sources go (``$KDAGEN_GENERATED_DIR``, default ``<repo>/generated``).
+
+    An installed wheel has no repository, so it falls back to ``<cache dir>/generated``: the files must
+    exist on disk for as long as the process compiles them (the DSL reads their source text).
+    """
+    env = _env_path(ENV_GENERATED_DIR)
+    if env is not None:
+        return env
+    root = repo_root()
+    return root / "generated" if root is not None else cache_dir() / "generated"
+
+
+def jit_disabled() -> bool:
+    """True when ``KDAGEN_DISABLE_JIT`` asks that a cache miss be an error instead of a compile."""
+    return os.environ.get(ENV_DISABLE_JIT, "").strip().lower() in _TRUE
+
+
+def find_spec_file(path: str | os.PathLike[str]) -> Path:
+    """Resolve a spec file name as a user wrote it.
+
+    Tried in order: as given (relative to the working directory), then relative to the data root, so that
+    ``"specs/sm90.yaml"`` works from any directory and from an installed wheel. Returns the path as given
+    when nothing matches, so the caller's "not found" message shows what the user typed.
+    """
+    p = Path(path).expanduser()
+    if p.is_file() or p.is_absolute():
+        return p
+    for candidate in (data_root() / p, specs_dir() / p):
+        if candidate.is_file():
+            return candidate
+    return p

@@ -1,0 +1,605 @@
+"""PyTorch oracle for the KDA forward pass (kda-math.md §2-§4).
+
+Independent of every kernel in kdagen: nothing here is generated, and nothing here is shared with the
+templates. Two formulations are provided so that they can check each other:
+
+- :func:`kda_recurrent_reference`: the token recurrence of kda-math §2.0 / §3, vectorised over sequences and
+  heads, looping over time only. This is the oracle the GPU tests compare against (fp64 by default).
+- :func:`kda_chunked_reference`: the chunked form of kda-math §2.3-§2.5 (L, Aqk, triangular inverse, W/U,
+  inter-chunk state recurrence, output), per sequence, with explicit partial last chunks.
+
+Shapes follow FLA ``chunk_kda``: q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]``; beta ``[B,T,HV]``;
+value head ``hv`` reads q/k head ``hv // (HV // H)``; with ``cu_seqlens`` the batch is packed (B == 1) and
+every sequence has its own state; states are ``[N,HV,K,V]`` ("kv") or ``[N,HV,V,K]`` ("vk").
+
+Also here: the relative-RMSE metric of kda-math §4.1, input generators in the FLA test style (§4.2) and the
+benchmark length generators (§4.4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GateMode",
+    "StateLayout",
+    "assert_close",
+    "cu_seqlens_from_lengths",
+    "kda_chunked_reference",
+    "kda_gate",
+    "kda_recurrent_reference",
+    "l2norm",
+    "make_inputs",
+    "rel_rmse",
+    "to_torch_dtype",
+    "varlen_lengths",
+]
+
+Tensor = torch.Tensor
+GateMode = Literal["precomputed", "softplus", "lower_bound"]
+StateLayout = Literal["kv", "vk"]
+
+GATE_MODES: tuple[str, ...] = ("precomputed", "softplus", "lower_bound")
+STATE_LAYOUTS: tuple[str, ...] = ("kv", "vk")
+HARD_RESET_G = -1000.0  # the "hard reset" log-decay of the FLA varlen tests: exp(-1000) == 0 in fp32/fp64
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def to_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Map a spec dtype name ("bf16", "fp16", "fp32", ...) or a torch dtype to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gate and l2norm (kda-math §2.1, §2.2)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def kda_gate(
+    g: Tensor,
+    *,
+    gate: GateMode,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+) -> Tensor:
+    """Per-step natural-log decay from ``g`` (kda-math §2.1).
+
+    The result is fp64 when ``g`` is fp64 and fp32 otherwise (fp32 is what FLA computes the gate in; pass an
+    fp64 ``g`` to get the oracle's fp64 gate). ``g`` is ``[..., HV, K]``; ``A_log`` ``[HV]``; ``dt_bias``
+    ``[HV*K]`` or ``[HV, K]``.
+
+    - ``"precomputed"``: ``g`` already is the log-decay; returned as is. ``lower_bound`` is ignored: with
+      ``safe_gate`` it is the caller's promise, and FLA does not clamp either.
+    - ``"softplus"``: ``-exp(A_log) * softplus(g + dt_bias)``, softplus with threshold 20 (``x > 20 -> x``).
+    - ``"lower_bound"``: ``lb * sigmoid(exp(A_log) * (g + dt_bias))``; without ``A_log``:
+      ``lb * sigmoid(g + dt_bias)``.
+    """
+    if gate not in GATE_MODES:
+        raise ValueError(f"gate: expected one of {GATE_MODES}, got {gate!r}")
+    out_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    x = g.to(out_dtype)
+    if gate == "precomputed":
+        return x
+    if g.dim() < 2:
+        raise ValueError(f"g: expected [..., HV, K], got shape {tuple(g.shape)}")
+    HV, K = g.shape[-2], g.shape[-1]
+    if dt_bias is not None:
+        if dt_bias.numel() != HV * K:
+            raise ValueError(
+                f"dt_bias: expected {HV * K} elements ([HV*K] or [HV,K]), got {tuple(dt_bias.shape)}"
+            )
+        x = x + dt_bias.to(device=x.device, dtype=out_dtype).reshape(HV, K)
+    a = None
+    if A_log is not None:
+        if A_log.numel() != HV:
+            raise ValueError(f"A_log: expected {HV} elements ([HV]), got {tuple(A_log.shape)}")
+        a = A_log.to(device=x.device, dtype=out_dtype).reshape(HV, 1).exp()
+    if gate == "softplus":
+        if a is None:
+            raise ValueError("A_log: required by the softplus gate")
+        if lower_bound is not None:
+            raise ValueError("lower_bound: must be None with the softplus gate (it selects the sigmoid form)")
+        return -a * F.softplus(x, beta=1.0, threshold=20.0)
+    if lower_bound is None:
+        raise ValueError("lower_bound: required by the lower_bound gate")
+    if a is not None:
+        x = a * x
+    return float(lower_bound) * torch.sigmoid(x)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (kda-math §2.2).
+
+    Computed in fp32 for 16-bit inputs (as FLA does) and in the input dtype for fp32/fp64; returns x.dtype.
+    """
+    xc = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = xc * torch.rsqrt(xc.square().sum(dim=-1, keepdim=True) + eps)
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared preparation (validation, gate, l2norm, GVA, sequence split)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    q: Tensor  # [B,T,HV,K], l2-normalised if asked, times scale, in the compute dtype
+    k: Tensor  # [B,T,HV,K]
+    v: Tensor  # [B,T,HV,V]
+    g: Tensor  # [B,T,HV,K] natural-log decay
+    beta: Tensor  # [B,T,HV]
+    h0: Tensor | None  # [N,HV,K,V] ("kv" layout) or None
+    seqs: tuple[tuple[int, int, int], ...]  # (batch index, bos, eos) per sequence
+    out_shape: tuple[int, int, int, int]  # [B,T,HV,V]
+
+
+def _seq_bounds(
+    B: int, T: int, cu_seqlens: Tensor | Sequence[int] | None
+) -> tuple[tuple[int, int, int], ...]:
+    if cu_seqlens is None:
+        return tuple((b, 0, T) for b in range(B))
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    if B != 1:
+        raise ValueError(f"cu_seqlens: requires B == 1 (packed varlen input), got B={B}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens: expected [0, ..., T={T}] with at least 2 entries, got {cu}")
+    if any(b > e for b, e in pairwise(cu)):
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {cu}")
+    return tuple((0, b, e) for b, e in pairwise(cu))
+
+
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | Sequence[int] | None,
+    gate: GateMode,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+    lower_bound: float | None,
+    l2norm_qk: bool,
+    state_layout: StateLayout,
+    dtype: torch.dtype,
+) -> _Prepared:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q, k: expected equal shapes [B,T,H,K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v: expected [B={B},T={T},HV,V], got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"v: HV={HV} must be a multiple of H={H}")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g: expected {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta: expected {(B, T, HV)}, got {tuple(beta.shape)}")
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout: expected one of {STATE_LAYOUTS}, got {state_layout!r}")
+    seqs = _seq_bounds(B, T, cu_seqlens)
+    N = len(seqs)
+
+    h0 = None
+    if initial_state is not None:
+        want = (N, HV, K, V) if state_layout == "kv" else (N, HV, V, K)
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state: expected {want} for layout {state_layout!r}, "
+                             f"got {tuple(initial_state.shape)}")
+        h0 = initial_state.to(dtype)
+        if state_layout == "vk":
+            h0 = h0.transpose(-1, -2)
+        h0 = h0.contiguous()
+
+    # The gate is evaluated in the compute dtype: kda_gate keeps fp64 for an fp64 input.
+    gd = kda_gate(g.to(dtype), gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound).to(dtype)
+    qd, kd = q.to(dtype), k.to(dtype)
+    if l2norm_qk:
+        qd, kd = l2norm(qd), l2norm(kd)
+    s = float(K) ** -0.5 if scale is None else float(scale)
+    group = HV // H
+    qd = (qd * s).repeat_interleave(group, dim=2)
+    kd = kd.repeat_interleave(group, dim=2)
+    return _Prepared(
+        q=qd, k=kd, v=v.to(dtype), g=gd, beta=beta.to(dtype), h0=h0, seqs=seqs, out_shape=(B, T, HV, V)
+    )
+
+
+def _final_layout(S: Tensor, state_layout: StateLayout) -> Tensor:
+    S = S.to(torch.float64)
+    return (S.transpose(-1, -2) if state_layout == "vk" else S).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Token recurrence (kda-math §2.0, §3)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _pad_sequences(x: Tensor, seqs: tuple[tuple[int, int, int], ...], t_max: int) -> Tensor:
+    """[B,T,...] -> [N,t_max,...], zero-padded at the end of each sequence."""
+    out = x.new_zeros((len(seqs), t_max, *x.shape[2:]))
+    for i, (b, bos, eos) in enumerate(seqs):
+        out[i, : eos - bos] = x[b, bos:eos]
+    return out
+
+
+def kda_recurrent_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token KDA forward (kda-math §2.0), computed in ``dtype``, on the device of the inputs.
+
+    Per value head and sequence: ``S <- Diag(exp(g_t)) S``; ``S <- S + beta_t k_t (v_t - k_t^T S)^T``;
+    ``o_t = S^T (scale q_t)``. Returns ``(o [B,T,HV,V] fp64, final_state fp64 in state_layout | None)``.
+    ``initial_state`` is ``[N,HV,K,V]`` ("kv") or ``[N,HV,V,K]`` ("vk"), N = B or len(cu_seqlens)-1.
+    """
+    p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
+                 state_layout=state_layout, dtype=dtype)
+    B, T, HV, V = p.out_shape
+    K = p.k.shape[-1]
+    N = len(p.seqs)
+    t_max = max((eos - bos for _, bos, eos in p.seqs), default=0)
+
+    # Pad every sequence to t_max with q = k = v = 0, g = 0, beta = 0: such a step multiplies S by exactly 1
+    # and adds exactly 0, so all sequences advance in lock-step and the padding cannot change any result.
+    qs, ks, vs, gs, bs = (_pad_sequences(x, p.seqs, t_max) for x in (p.q, p.k, p.v, p.g, p.beta))
+    NH = N * HV
+    decay = gs.exp().transpose(0, 1).reshape(t_max, NH, K, 1)
+    qs = qs.transpose(0, 1).reshape(t_max, NH, 1, K)
+    ks = ks.transpose(0, 1).reshape(t_max, NH, K)
+    vs = vs.transpose(0, 1).reshape(t_max, NH, 1, V)
+    bs = bs.transpose(0, 1).reshape(t_max, NH, 1, 1)
+
+    if p.h0 is None:
+        S = torch.zeros(NH, K, V, dtype=dtype, device=p.v.device)
+    else:
+        S = p.h0.reshape(NH, K, V).clone()
+    o_pad = torch.empty(t_max, NH, 1, V, dtype=dtype, device=p.v.device)
+    for t in range(t_max):
+        S.mul_(decay[t])
+        kt = ks[t]
+        delta = bs[t] * (vs[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
+        S.baddbmm_(kt.unsqueeze(2), delta)  # S += k delta^T
+        torch.bmm(qs[t], S, out=o_pad[t])
+
+    o_seq = o_pad.reshape(t_max, N, HV, V).transpose(0, 1)  # [N,t_max,HV,V]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=p.v.device)
+    for i, (b, bos, eos) in enumerate(p.seqs):
+        o[b, bos:eos] = o_seq[i, : eos - bos]
+    final = _final_layout(S.reshape(N, HV, K, V), state_layout) if output_final_state else None
+    return o, final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked formulation (kda-math §2.3-§2.5)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _chunk_step(
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One chunk of n <= C tokens, all value heads: inputs [HV,n,*], state S [HV,K,V] -> (o [HV,n,V], S)."""
+    n = qc.shape[1]
+    dev, dt = qc.device, qc.dtype
+    G = gc.cumsum(dim=1)  # chunk-local inclusive cumsum (natural log), [HV,n,K]
+    rows = torch.arange(n, device=dev)
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    # Pairwise decays exp(G_r - G_s) for r >= s only: each factor is <= 1 for g <= 0, so a hard reset
+    # (g = -1000) underflows to 0 instead of overflowing, which prefix-product division (K / Gamma) would do.
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [HV,n(r),n(s),K]
+    E = torch.where(incl[None, :, :, None], diff, torch.full((), float("-inf"), dtype=dt, device=dev)).exp()
+    Ek = E * kc[:, None, :, :]  # k_s exp(G_r - G_s), [HV,n,n,K]
+    Aqk = torch.einsum("hrd,hrsd->hrs", qc, Ek)  # includes diagonal and (pre-applied) scale
+    Akk = torch.einsum("hrd,hrsd->hrs", kc, Ek)
+    L = torch.where(strict, bc[:, :, None] * Akk, torch.zeros((), dtype=dt, device=dev))  # beta on the row
+    eye = torch.eye(n, dtype=dt, device=dev).expand(qc.shape[0], n, n)
+    Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+    A = Tinv * bc[:, None, :]  # Tinv diag(beta)
+    eG = G.exp()  # <= 1
+    W = A @ (kc * eG)  # [HV,n,K]
+    U = A @ vc  # [HV,n,V]
+    v_new = U - W @ S
+    o = (qc * eG) @ S + Aqk @ v_new
+    g_last = G[:, -1:, :]  # cumsum at the last valid token of this (possibly partial) chunk
+    kg = kc * (g_last - G).exp()  # <= 1
+    S = g_last.transpose(1, 2).exp() * S + kg.transpose(1, 2) @ v_new
+    return o, S
+
+
+def kda_chunked_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+    dtype: torch.dtype = torch.float64,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA forward (kda-math §2.3-§2.5); arguments and results as :func:`kda_recurrent_reference`.
+
+    Chunks restart at each sequence start; the last chunk of a sequence may be partial (n < chunk_size),
+    handled by slicing, not padding. Per chunk: ``L = tril_strict(beta_r k_r . k_s exp(G_r - G_s))``,
+    ``Aqk = tril(scale q_r . k_s exp(G_r - G_s))``, ``A = (I + L)^{-1} diag(beta)``, ``W = A (K * exp(G))``,
+    ``U = A V``, ``V_new = U - W S``, ``O = (scale Q * exp(G)) S + Aqk V_new``,
+    ``S <- exp(G_last) S + (K * exp(G_last - G))^T V_new``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
+                 state_layout=state_layout, dtype=dtype)
+    B, T, HV, V = p.out_shape
+    K = p.k.shape[-1]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=p.v.device)
+    finals = []
+    for i, (b, bos, eos) in enumerate(p.seqs):
+        S = p.h0[i].clone() if p.h0 is not None else torch.zeros(HV, K, V, dtype=dtype, device=p.v.device)
+        for c0 in range(bos, eos, chunk_size):
+            c1 = min(c0 + chunk_size, eos)
+            sl = (b, slice(c0, c1))
+            oc, S = _chunk_step(
+                p.q[sl].transpose(0, 1), p.k[sl].transpose(0, 1), p.v[sl].transpose(0, 1),
+                p.g[sl].transpose(0, 1), p.beta[sl].transpose(0, 1), S,
+            )
+            o[b, c0:c1] = oc.transpose(0, 1).to(torch.float64)
+        finals.append(S)
+    final = _final_layout(torch.stack(finals), state_layout) if output_final_state else None
+    return o, final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Error metric (kda-math §4.1)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rms(x: Tensor) -> float:
+    return x.square().mean().sqrt().item()
+
+
+def rel_rmse(ref: Tensor, out: Tensor) -> float:
+    """``RMS(ref - out) / (RMS(ref) + 1e-8)`` over all elements, in fp64."""
+    r = ref.detach().to(torch.float64)
+    o = out.detach().to(device=r.device, dtype=torch.float64)
+    return _rms(r - o) / (_rms(r) + 1e-8)
+
+
+def assert_close(name: str, ref: Tensor, out: Tensor, ratio: float, *, err_atol: float = 1e-6) -> None:
+    """FLA's ``assert_close`` (kda-math §4.1): pass if max|ref-out| <= err_atol; else require no NaN and
+    ``rel_rmse(ref, out) < ratio``. Raises AssertionError naming ``name`` and the numbers."""
+    if tuple(ref.shape) != tuple(out.shape):
+        raise AssertionError(f"{name}: shape mismatch: ref {tuple(ref.shape)} vs out {tuple(out.shape)}")
+    if ref.numel() == 0:
+        return
+    r = ref.detach().to(torch.float64)
+    o = out.detach().to(device=r.device, dtype=torch.float64)
+    abs_err = (r - o).abs().max().item()
+    if abs_err <= err_atol:  # NaN compares False, so a NaN never passes here
+        return
+    for label, x in (("reference", r), ("output", o)):
+        nans = int(torch.isnan(x).sum().item())
+        if nans:
+            raise AssertionError(f"{name}: {nans} NaN of {x.numel()} elements in the {label}")
+    err = _rms(r - o) / (_rms(r) + 1e-8)
+    if not err < ratio:
+        raise AssertionError(
+            f"{name}: relative RMSE {err:.4e} >= {ratio:.4e} "
+            f"(max abs err {abs_err:.4e}, RMS(ref) {_rms(r):.4e})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input generators (kda-math §4.2, §4.4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _as_cu_list(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
+    return [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+
+
+def make_inputs(
+    B: int,
+    T: int,
+    H: int,
+    HV: int,
+    K: int,
+    V: int,
+    *,
+    dtype: torch.dtype | str,
+    beta_dtype: torch.dtype | str,
+    g_dtype: torch.dtype | str,
+    gate: GateMode,
+    safe_gate: bool,
+    lower_bound: float | None,
+    seed: int,
+    device: torch.device | str,
+    mask_p: float = 0.0,
+    hard_reset: bool = False,
+    gate_logit_normalizer: float = 1.0,
+    l2norm_qk: bool = True,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    with_initial_state: bool = False,
+    state_layout: StateLayout = "kv",
+) -> dict[str, Tensor | None]:
+    """Random KDA inputs in the FLA test style (kda-math §4.2), deterministic in ``seed`` on any device.
+
+    Returns ``{q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens}``: keyword arguments accepted both
+    by the references and by a kdagen kernel (``A_log``/``dt_bias``/``initial_state``/``cu_seqlens`` may be
+    None).
+
+    - q, k, v: randn in ``dtype``. Without in-kernel l2norm, q and k are pre-normalised (``F.normalize``) so
+      the recurrence stays contractive (beta * |k|^2 <= 1).
+    - ``gate == "precomputed"``: ``g = logsigmoid(randn) / gate_logit_normalizer``; a fraction ``mask_p`` of
+      the elements is set to 0 (no decay), or to -1000 (hard reset) with ``hard_reset``;
+      ``clamp(lower_bound, 0)`` if ``safe_gate``.
+    - in-kernel gates: ``g`` is the raw input, randn; masked elements become -1000 (gate ~ 0, no decay), or
+      +1000 with ``hard_reset`` (softplus: decay ~ -1000 exp(A_log); lower_bound: decay = lower_bound).
+      ``A_log = randn(HV).clamp(-2, 2)`` (exp(A_log) in [0.14, 7.4]), ``dt_bias = randn(HV*K)``, both fp32.
+    - beta = sigmoid(randn) in ``beta_dtype``; initial_state = randn fp32, ``[N,HV,K,V]`` or ``[N,HV,V,K]``.
+    - cu_seqlens (list or tensor) requires B == 1 and T == cu_seqlens[-1]; returned as int32 on ``device``.
+    """
+    if gate not in GATE_MODES:
+        raise ValueError(f"gate: expected one of {GATE_MODES}, got {gate!r}")
+    if HV % H != 0:
+        raise ValueError(f"HV={HV} must be a multiple of H={H}")
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout: expected one of {STATE_LAYOUTS}, got {state_layout!r}")
+    if (safe_gate or gate == "lower_bound") and lower_bound is None:
+        raise ValueError("lower_bound: required with safe_gate or the lower_bound gate")
+    if safe_gate and gate == "softplus":
+        raise ValueError("safe_gate: the softplus gate is unbounded below and cannot be safe")
+    N = B
+    cu_list = None
+    if cu_seqlens is not None:
+        cu_list = _as_cu_list(cu_seqlens)
+        if B != 1 or cu_list[-1] != T:
+            raise ValueError(
+                f"cu_seqlens: requires B == 1 and T == cu_seqlens[-1]; got B={B}, T={T}, {cu_list}"
+            )
+        N = len(cu_list) - 1
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    def mask_like(x: Tensor) -> Tensor:
+        return torch.rand(x.shape, generator=gen, dtype=torch.float32) < mask_p
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, HV, V)
+    if not l2norm_qk:
+        q, k = F.normalize(q, p=2, dim=-1), F.normalize(k, p=2, dim=-1)
+
+    A_log = dt_bias = None
+    if gate == "precomputed":
+        g = F.logsigmoid(randn(B, T, HV, K)) / gate_logit_normalizer
+        if mask_p > 0:
+            g = g.masked_fill(mask_like(g), HARD_RESET_G if hard_reset else 0.0)
+        if safe_gate:
+            g = g.clamp(float(lower_bound), 0.0)
+    else:
+        g = randn(B, T, HV, K)
+        if mask_p > 0:
+            g = g.masked_fill(mask_like(g), 1000.0 if hard_reset else -1000.0)
+        A_log = randn(HV).clamp(-2.0, 2.0)
+        dt_bias = randn(HV * K)
+    beta = torch.sigmoid(randn(B, T, HV))
+    h0 = None
+    if with_initial_state:
+        h0 = randn(N, HV, K, V) if state_layout == "kv" else randn(N, HV, V, K)
+
+    def put(x: Tensor | None, dt: torch.dtype | str) -> Tensor | None:
+        return None if x is None else x.to(device=device, dtype=to_torch_dtype(dt)).contiguous()
+
+    return {
+        "q": put(q, dtype),
+        "k": put(k, dtype),
+        "v": put(v, dtype),
+        "g": put(g, g_dtype),
+        "beta": put(beta, beta_dtype),
+        "A_log": put(A_log, torch.float32),
+        "dt_bias": put(dt_bias, torch.float32),
+        "initial_state": put(h0, torch.float32),
+        "cu_seqlens": None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=device),
+    }
+
+
+def varlen_lengths(num_seqs: int, total: int, dist: str) -> list[int]:
+    """Sequence lengths of the cuLA/kdagen varlen benchmarks (kda-math §4.4); they sum to ``total``.
+
+    - ``"uniform"``: ``total // num_seqs`` each, the remainder added to the first.
+    - ``"skewed"``: one long sequence first, then ``N - 1`` short ones of ``max(1, total // (2(N-1)))``.
+    - ``"random"``: ``RandomState(42).dirichlet(ones(N)) * total`` rounded, each >= 1, remainder to the first.
+    """
+    N, T = int(num_seqs), int(total)
+    if N < 1 or T < N:
+        raise ValueError(f"varlen_lengths: need 1 <= num_seqs <= total, got num_seqs={N}, total={T}")
+    if dist == "uniform":
+        per = T // N
+        lens = [per] * N
+        lens[0] += T - per * N
+    elif dist == "skewed":
+        if N == 1:
+            return [T]
+        short = max(1, T // (2 * (N - 1)))
+        lens = [T - short * (N - 1)] + [short] * (N - 1)
+    elif dist == "random":
+        raw = np.random.RandomState(42).dirichlet(np.ones(N))
+        arr = np.maximum(1, np.round(raw * T).astype(np.int64))
+        arr[0] += T - int(arr.sum())
+        arr = np.maximum(1, arr)
+        lens = [int(x) for x in arr]
+    else:
+        raise ValueError(f"dist: expected 'uniform', 'random' or 'skewed', got {dist!r}")
+    if sum(lens) != T or min(lens) < 1:
+        raise ValueError(f"varlen_lengths({N}, {T}, {dist!r}) produced invalid lengths {lens}")
+    return lens
+
+
+def cu_seqlens_from_lengths(
+    lengths: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.int32
+) -> Tensor:
+    """``[0, l0, l0+l1, ...]`` as a 1-D tensor of ``dtype`` on ``device``."""
+    cu = [0]
+    for n in lengths:
+        if int(n) < 0:
+            raise ValueError(f"lengths: expected non-negative lengths, got {list(lengths)}")
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=dtype, device=device)

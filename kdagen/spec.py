@@ -1,0 +1,493 @@
+"""The KDA forward spec: the pydantic model, spec files, validation with readable messages, canonical JSON,
+digest and slug.
+
+No cutlass and no torch here: a spec is plain data that can be loaded, checked, hashed and pickled anywhere.
+
+Two levels of checks:
+
+- `KernelSpec` itself checks each field and the rules between fields (gate / lower_bound / safe_gate). A spec
+  that passes is meaningful, so it can be hashed and compared.
+- `validate_capabilities` checks it against the target's record in `kdagen.arch` (is the family available for
+  the arch, does it support this chunk size). `load_spec_file` and `resolve_spec` run both, so what a user
+  loads can be built.
+
+Every message names where the value came from, the variant and the field, one problem per line:
+``specs/sm90.yaml: variant 'k128-gva2': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+import string
+from itertools import product
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from kdagen import arch as _arch
+from kdagen import paths
+from kdagen.errors import SpecError
+
+__all__ = [
+    "KernelSpec",
+    "load_spec_file",
+    "resolve_spec",
+    "validate_capabilities",
+    "parse_spec_ref",
+    "SAFE_LOWER_BOUND_MIN",
+]
+
+Arch = Literal["sm_80", "sm_89", "sm_90a", "sm_100a"]
+Family = Literal["auto", "mma_sync"]
+HeadDim = Literal[64, 128]
+GvaRatio = Literal[1, 2, 4, 8]
+Gate = Literal["precomputed", "softplus", "lower_bound"]
+IODtype = Literal["bf16", "fp16"]
+AuxDtype = Literal["fp32", "bf16"]
+StateDtype = Literal["fp32"]
+StateLayout = Literal["kv", "vk"]
+
+# kda-math §2.3: with a first-row anchor over a 16-token tile the diagonal factor reaches 2^(15*|lb|*log2 e);
+# lb = -5 gives 2^108, still below the fp32 exponent limit 2^127; lb ~ -5.9 would overflow.
+SAFE_LOWER_BOUND_MIN = -5.0
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_TOP_KEYS = ("description", "defaults", "variants")
+
+
+def _rule(field: str, message: str) -> PydanticCustomError:
+    # A cross-field rule is reported on the field the user has to change; the formatter reads ctx["field"].
+    return PydanticCustomError("spec_rule", "{message}", {"field": field, "message": message})
+
+
+class KernelSpec(BaseModel):
+    """One KDA forward variant. Frozen, hashable, picklable; unknown fields are errors.
+
+    Constructing one with a bad value raises `SpecError` (not pydantic's `ValidationError`) whose message
+    names the field, e.g. ``KernelSpec: field 'gva_ratio': expected one of 1, 2, 4, 8, got 3``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    arch: Arch
+    family: Family = "auto"
+    head_dim_k: HeadDim = 128
+    head_dim_v: HeadDim = 128
+    chunk_size: int = 16
+    gva_ratio: GvaRatio = 1
+    gate: Gate = "lower_bound"
+    lower_bound: float | None = Field(default=-5.0, allow_inf_nan=False)
+    safe_gate: bool = True
+    l2norm_qk: bool = True
+    dtype: IODtype = "bf16"
+    g_dtype: AuxDtype = "fp32"
+    beta_dtype: AuxDtype = "fp32"
+    state_dtype: StateDtype = "fp32"
+    state_layout: StateLayout = "kv"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _spec_error(_describe_all(e), source="KernelSpec", variant=None) from None
+
+    # -- validation -------------------------------------------------------------------------------------
+
+    @field_validator("head_dim_k", "head_dim_v", "gva_ratio", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        # Literal[1, 2, ...] would accept True as 1; a boolean here is always a typo.
+        if isinstance(v, bool):
+            raise PydanticCustomError("bool_for_int", "expected an integer, got a boolean")
+        return v
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk_size(cls, v: int) -> int:
+        if v < 16 or v > 128 or v & (v - 1):
+            raise PydanticCustomError(
+                "spec_rule", "{message}", {"message": f"expected a power of two in [16, 128], got {v}"}
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _gate_rules(self) -> KernelSpec:
+        lb = self.lower_bound
+        if self.gate == "softplus" and (lb is not None or self.safe_gate):
+            # Name both fields at once: the defaults (lower_bound -5, safe_gate true) both need changing.
+            field = "lower_bound" if lb is not None else "safe_gate"
+            raise _rule(
+                field,
+                "gate 'softplus' is unbounded below: it needs lower_bound: null and safe_gate: false, "
+                f"got lower_bound {lb} and safe_gate {str(self.safe_gate).lower()}",
+            )
+        if self.gate == "lower_bound" and (lb is None or lb >= 0):
+            raise _rule("lower_bound", f"gate 'lower_bound' needs a float < 0, got {lb}")
+        if self.safe_gate and (lb is None or not SAFE_LOWER_BOUND_MIN <= lb < 0):
+            raise _rule(
+                "lower_bound",
+                f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND_MIN:g}, 0) "
+                f"(kda-math §2.3: a bound below -5 overflows fp32 on the diagonal tiles), got {lb}",
+            )
+        if self.gate == "precomputed" and not self.safe_gate and lb is not None:
+            raise _rule(
+                "lower_bound",
+                f"gate 'precomputed' without safe_gate has no use for lower_bound (set it to null), got {lb}",
+            )
+        return self
+
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], *, source: str | None = None, variant: str | None = None
+    ) -> KernelSpec:
+        """Validate a mapping of fields; a `SpecError` names `source` (e.g. the file) and `variant`."""
+        if not isinstance(data, dict):
+            raise SpecError(_prefix(source, variant) + f"expected a mapping of fields, got {_kind(data)}")
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            items: list[tuple[str | None, str]] = [(str(k), "unknown field") for k in bad]
+            raise _spec_error(items, source=source, variant=variant)
+        try:
+            return cls(**data)
+        except SpecError as e:
+            # Re-issue __init__'s problems under the caller's file and variant.
+            raise _spec_error(e.items, source=source, variant=variant) from None
+
+    def replace(self, **changes: Any) -> KernelSpec:
+        """A copy with some fields changed, validated again (pydantic's `model_copy` does not validate)."""
+        return type(self).from_dict({**self.model_dump(), **changes}, source="KernelSpec.replace")
+
+    # -- identity -----------------------------------------------------------------------------------------
+
+    def canonical_json(self) -> str:
+        """Every field, sorted keys, no whitespace: the identity of the variant."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        """sha256 hex of `canonical_json`."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def slug(self) -> str:
+        """Readable directory name ending in 12 hex of the digest, e.g.
+        ``kda_fwd-sm90a-k128v128-c16-gva1-gate_lb5-safe-l2-bf16-g32-b32-kv-3f9c1e2b7d0a``.
+
+        The readable part is a summary for people (it omits defaults such as ``family: auto``); the hash
+        is what makes it unique.
+        """
+        parts = ["kda_fwd", self.arch.replace("_", "")]
+        if self.family != "auto":
+            parts.append(self.family)
+        parts += [f"k{self.head_dim_k}v{self.head_dim_v}", f"c{self.chunk_size}", f"gva{self.gva_ratio}"]
+        gate = {"lower_bound": "gate_lb", "softplus": "gate_sp", "precomputed": "gate_pre"}[self.gate]
+        if self.lower_bound is not None:
+            gate += ("" if self.gate == "lower_bound" else "_lb") + _num(self.lower_bound)
+        parts.append(gate)
+        if self.safe_gate:
+            parts.append("safe")
+        if self.l2norm_qk:
+            parts.append("l2")
+        parts += [self.dtype, "g" + _short(self.g_dtype), "b" + _short(self.beta_dtype)]
+        if self.state_dtype != "fp32":
+            parts.append("s" + _short(self.state_dtype))
+        parts += [self.state_layout, self.digest()[:12]]
+        return "-".join(parts)
+
+    @property
+    def arch_info(self) -> _arch.ArchInfo:
+        return _arch.get_arch(self.arch)
+
+
+def _num(x: float) -> str:
+    # -5.0 -> "5", -2.5 -> "2p5": path-friendly, sign implied (bounds are negative).
+    return f"{abs(x):g}".replace(".", "p").replace("-", "m")
+
+
+def _short(dtype: str) -> str:
+    return {"fp32": "32", "bf16": "bf16", "fp16": "16"}[dtype]
+
+
+# -- error formatting -------------------------------------------------------------------------------------
+
+
+def _prefix(source: str | None, variant: str | None) -> str:
+    out = f"{source}: " if source else ""
+    if variant is not None:
+        out += f"variant {variant!r}: "
+    return out
+
+
+def _kind(x: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}.get(
+        type(x), type(x).__name__
+    )
+
+
+def _choices(field: str) -> list[Any]:
+    ann = KernelSpec.model_fields[field].annotation
+    return list(get_args(ann))
+
+
+def _fmt_choices(values: list[Any]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
+    """(field or None, message) of one pydantic error."""
+    loc = err.get("loc") or ()
+    field = str(loc[0]) if loc else None
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "spec_rule":
+        return ctx.get("field", field), ctx["message"]
+    if kind in ("literal_error", "bool_for_int") and field in KernelSpec.model_fields:
+        choices = _choices(field)
+        msg = f"expected one of {_fmt_choices(choices)}, got {value!r}"
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+            if close:
+                msg += f" (did you mean {close[0]!r}?)"
+        return field, msg
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(field or "", list(KernelSpec.model_fields), n=1)
+        hint = (
+            f"did you mean {close[0]!r}?" if close else "known fields: " + ", ".join(KernelSpec.model_fields)
+        )
+        return field, f"unknown field ({hint})"
+    if kind == "missing":
+        return field, "required field is missing"
+    if kind == "bool_type":
+        return field, f"expected true or false, got {value!r}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return field, f"expected an integer, got {value!r}"
+    if kind in ("float_type", "float_parsing"):
+        nullable = field == "lower_bound"
+        return field, f"expected a number{' or null' if nullable else ''}, got {value!r}"
+    if kind == "finite_number":
+        return field, f"expected a finite number, got {value!r}"
+    return field, f"{err['msg']}, got {value!r}"
+
+
+def _describe_all(e: ValidationError) -> list[tuple[str | None, str]]:
+    return [_describe(err) for err in e.errors(include_url=False)]
+
+
+def _spec_error(items: list[tuple[str | None, str]], *, source: str | None, variant: str | None) -> SpecError:
+    lines = [_prefix(source, variant) + (f"field {f!r}: " if f else "") + msg for f, msg in items]
+    err = SpecError("\n".join(lines), lines)
+    err.items = items  # (field, message) pairs, so that from_dict can re-prefix them
+    return err
+
+
+# -- capabilities -----------------------------------------------------------------------------------------
+
+
+def validate_capabilities(spec: KernelSpec, *, source: str | None = None, variant: str | None = None) -> None:
+    """Refuse what the target or the template family cannot do; `SpecError` names the field to change."""
+    info = _arch.get_arch(spec.arch)
+    pre = _prefix(source, variant)
+    if spec.family != "auto" and spec.family not in info.families:
+        raise SpecError(
+            pre + f"field 'family': family {spec.family!r} is not available for {spec.arch} "
+            f"(available: {', '.join(info.families)})"
+        )
+    candidates = info.families if spec.family == "auto" else (spec.family,)
+    problems: list[str] = []
+    for name in candidates:
+        fam = _arch.get_family(name)
+        if spec.chunk_size not in fam.chunk_sizes:
+            problems.append(
+                f"field 'chunk_size': the {name} family supports chunk_size "
+                f"{' or '.join(map(str, fam.chunk_sizes))} only, got {spec.chunk_size}"
+            )
+        elif spec.head_dim_k not in fam.head_dims or spec.head_dim_v not in fam.head_dims:
+            problems.append(
+                f"field 'head_dim_k': the {name} family supports head dims "
+                f"{', '.join(map(str, fam.head_dims))}, got k={spec.head_dim_k} v={spec.head_dim_v}"
+            )
+        else:
+            return  # at least one family can build it
+    suffix = "" if spec.family != "auto" else f" (family 'auto' on {spec.arch} tried {', '.join(candidates)})"
+    lines = [pre + p + suffix for p in problems]
+    raise SpecError("\n".join(lines), lines)
+
+
+# -- spec files -------------------------------------------------------------------------------------------
+
+_FILE_CACHE: dict[tuple[str, int, int], dict[str, KernelSpec]] = {}
+
+
+def load_spec_file(path: str | os.PathLike[str]) -> dict[str, KernelSpec]:
+    """Load a spec file: ``defaults:`` plus a list of ``variants:``, in file order.
+
+    A variant is a mapping with ``name:`` and field overrides, or a ``matrix:`` mapping of field -> list of
+    values that expands to the cross product (later fields vary fastest), its ``name:`` a format string over
+    the fields, e.g. ``"k{head_dim_k}-gva{gva_ratio}"``. Every variant is validated, capabilities included;
+    all problems of the file are reported together in one `SpecError`.
+    """
+    shown = str(path)
+    p = paths.find_spec_file(path)
+    try:
+        st = p.stat()
+    except OSError:
+        raise SpecError(f"{shown}: no such spec file") from None
+    ck = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+    if ck not in _FILE_CACHE:
+        _FILE_CACHE[ck] = _load(p, shown)
+    return dict(_FILE_CACHE[ck])
+
+
+def _load(p: Path, shown: str) -> dict[str, KernelSpec]:
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(f"{shown}: invalid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise SpecError(f"{shown}: expected a mapping with 'defaults:' and 'variants:', got {_kind(doc)}")
+    unknown = [k for k in doc if k not in _TOP_KEYS]
+    if unknown:
+        raise SpecError(f"{shown}: unknown top-level key {unknown[0]!r} (expected {', '.join(_TOP_KEYS)})")
+    defaults = doc.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise SpecError(f"{shown}: defaults: expected a mapping of fields, got {_kind(defaults)}")
+    problems = [
+        f"{shown}: defaults: field {k!r}: unknown field" + _did_you_mean(k)
+        for k in defaults
+        if k not in KernelSpec.model_fields
+    ]
+    if problems:
+        raise SpecError("\n".join(problems), problems)
+    items = doc.get("variants")
+    if not isinstance(items, list) or not items:
+        raise SpecError(f"{shown}: 'variants:' must be a non-empty list, got {_kind(items)}")
+
+    out: dict[str, KernelSpec] = {}
+    where: dict[str, str] = {}
+    for i, item in enumerate(items, 1):
+        try:
+            expanded = _expand(item, defaults, shown, i)
+        except SpecError as e:
+            problems += e.problems
+            continue
+        for name, fields in expanded:
+            if name in out or name in where:
+                problems.append(f"{shown}: variant {name!r}: duplicate name (first at {where[name]})")
+                continue
+            where[name] = f"variant #{i}"
+            try:
+                spec = KernelSpec.from_dict(fields, source=shown, variant=name)
+                validate_capabilities(spec, source=shown, variant=name)
+            except SpecError as e:
+                problems += e.problems
+                continue
+            out[name] = spec
+    if problems:
+        raise SpecError("\n".join(problems), problems)
+    return out
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, list(KernelSpec.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_name(name: Any, shown: str, i: int) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise SpecError(
+            f"{shown}: variant #{i}: name {name!r}: expected letters, digits and '_.+-' (no ':' or spaces)"
+        )
+    return name
+
+
+def _expand(item: Any, defaults: dict[str, Any], shown: str, i: int) -> list[tuple[str, dict[str, Any]]]:
+    if not isinstance(item, dict):
+        raise SpecError(
+            f"{shown}: variant #{i}: expected a mapping with 'name:' and fields, got {_kind(item)}"
+        )
+    if "name" not in item:
+        raise SpecError(f"{shown}: variant #{i}: missing 'name:'")
+    fixed = {k: v for k, v in item.items() if k not in ("name", "matrix")}
+    if "matrix" not in item:
+        name = _check_name(item["name"], shown, i)
+        return [(name, {**defaults, **fixed})]
+
+    matrix = item["matrix"]
+    if not isinstance(matrix, dict) or not matrix:
+        raise SpecError(f"{shown}: variant #{i} (matrix): expected a mapping of field -> list of values")
+    for field, values in matrix.items():
+        if field not in KernelSpec.model_fields:
+            raise SpecError(
+                f"{shown}: variant #{i} (matrix): field {field!r}: unknown field" + _did_you_mean(field)
+            )
+        if not isinstance(values, list) or not values:
+            raise SpecError(
+                f"{shown}: variant #{i} (matrix): field {field!r}: expected a non-empty list of values, "
+                f"got {_kind(values)}"
+            )
+    fmt = item["name"]
+    if not isinstance(fmt, str):
+        raise SpecError(f"{shown}: variant #{i} (matrix): name: expected a format string, got {_kind(fmt)}")
+    placeholders = {f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None}
+    if not placeholders & set(matrix):
+        raise SpecError(
+            f"{shown}: variant #{i} (matrix): name {fmt!r}: must use a matrix field such as "
+            f"'{{{next(iter(matrix))}}}' so that every expanded variant gets its own name"
+        )
+    out = []
+    for combo in product(*matrix.values()):
+        fields = {**defaults, **fixed, **dict(zip(matrix, combo))}
+        try:
+            name = fmt.format_map(fields)
+        except (KeyError, IndexError, ValueError) as e:
+            raise SpecError(f"{shown}: variant #{i} (matrix): name {fmt!r}: bad placeholder {e}") from None
+        out.append((_check_name(name, shown, i), fields))
+    return out
+
+
+# -- resolving what users pass ----------------------------------------------------------------------------
+
+
+def parse_spec_ref(ref: str) -> tuple[str, str | None]:
+    """Split ``"path.yaml:name"`` into (path, name); a bare path gives (path, None)."""
+    path, sep, name = ref.rpartition(":")
+    if sep and path.endswith((".yaml", ".yml")) and name:
+        return path, name
+    return ref, None
+
+
+def resolve_spec(obj: KernelSpec | dict[str, Any] | str | os.PathLike[str]) -> tuple[str | None, KernelSpec]:
+    """Turn what a user passes into (variant name or None, checked `KernelSpec`).
+
+    Accepts a `KernelSpec`, a dict of fields, or ``"path.yaml:name"`` (a bare path is accepted when the file
+    holds exactly one variant). Capabilities are always checked.
+    """
+    if isinstance(obj, KernelSpec):
+        validate_capabilities(obj, source="KernelSpec")
+        return None, obj
+    if isinstance(obj, dict):
+        spec = KernelSpec.from_dict(obj, source="spec dict")
+        validate_capabilities(spec, source="spec dict")
+        return None, spec
+    if isinstance(obj, (str, os.PathLike)):
+        path, name = parse_spec_ref(os.fspath(obj))
+        variants = load_spec_file(path)  # already capability-checked
+        if name is None:
+            if len(variants) == 1:
+                return next(iter(variants.items()))
+            raise SpecError(
+                f"{path}: holds {len(variants)} variants; name one as '{path}:<name>' "
+                f"(variants: {', '.join(variants)})"
+            )
+        if name not in variants:
+            close = difflib.get_close_matches(name, list(variants), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SpecError(f"{path}: no variant {name!r} ({hint}variants: {', '.join(variants)})")
+        return name, variants[name]
+    raise SpecError(f"expected a KernelSpec, a dict of fields or 'path.yaml:name', got {type(obj).__name__}")

@@ -1,0 +1,325 @@
+"""GPU numerics of kdagen kernels against the fp64 token recurrence (kdagen.reference), plus CUDA graphs, the
+prebuilt-artifact path (KDAGEN_DISABLE_JIT) and input validation.
+
+Metric: relative RMSE of kda-math §4.1, tolerance 0.005 for o and the final state. The matrix (tests/gpu/
+_cases.py) covers odd T, T=1, varlen with length-1 sequences, GVA 1/2/4, both beta dtypes, with and without
+an initial state, final state on/off, every gate mode (hard resets on the non-safe ones), gate extremes,
+l2norm on/off, the four (K, V) pairs, bf16 and fp16, both state layouts, in 17 compiled specs.
+
+Every test needs a CUDA GPU (sm_90a); without one the whole module is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdagen.reference import assert_close
+
+try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
+    from . import _cases as cases  # type: ignore[no-redef]
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _cases as cases  # type: ignore[no-redef]
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (kdagen kernels target sm_90a); torch.cuda.is_available() is False",
+    ),
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOL = cases.GPU_TOL
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the numerics matrix
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_against_reference(spec_name: str, case: cases.Case) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    inp = cases.build_inputs(spec, case)
+    h0_before = None if inp["initial_state"] is None else inp["initial_state"].clone()
+
+    o, ht = cases.run_kernel(kernel, inp, case.final)
+    torch.cuda.synchronize()
+    ref_o, ref_ht = cases.run_reference(spec, inp, case.final)
+
+    assert isinstance(o, torch.Tensor), f"o: expected a tensor, got {type(o).__name__}"
+    assert o.dtype == inp["q"].dtype, f"o: dtype {o.dtype}, expected q.dtype {inp['q'].dtype}"
+    assert o.device == inp["q"].device
+    assert tuple(o.shape) == tuple(ref_o.shape), f"o: shape {tuple(o.shape)}, expected {tuple(ref_o.shape)}"
+    assert_close("o", ref_o, o, TOL)
+    if case.final:
+        assert ht is not None, "ht: None although output_final_state=True"
+        assert ht.dtype == torch.float32, f"ht: dtype {ht.dtype}, expected torch.float32"
+        assert tuple(ht.shape) == tuple(ref_ht.shape), f"ht: shape {tuple(ht.shape)} ({spec['state_layout']})"
+        assert_close("ht", ref_ht, ht, TOL)
+    else:
+        assert ht is None, "ht: expected None when output_final_state=False"
+    if h0_before is not None:
+        assert torch.equal(inp["initial_state"], h0_before), "initial_state was modified by the kernel"
+
+
+@pytest.mark.parametrize(("spec_name", "case"), cases.MATRIX, ids=[f"{n}:{c.id}" for n, c in cases.MATRIX])
+def test_numerics(spec_name: str, case: cases.Case) -> None:
+    _check_against_reference(spec_name, case)
+
+
+def test_explicit_scale() -> None:
+    spec = cases.SPECS["lb_safe"]
+    case = cases.VL(cases.CU_EDGE, 2, init=True, seed=3)
+    inp = cases.build_inputs(spec, case)
+    o, ht = cases.run_kernel(cases.kernel_for("lb_safe"), inp, True, scale=0.3)
+    ref_o, ref_ht = cases.run_reference(spec, inp, True, scale=0.3)
+    assert_close("o", ref_o, o, TOL)
+    assert_close("ht", ref_ht, ht, TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA graphs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _capture(kernel: Any, static: dict[str, Any]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    # Warm up on a side stream first (lazy module loads, allocator pools), as torch.cuda.graph requires.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            cases.run_kernel(kernel, static, True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = cases.run_kernel(kernel, static, True)
+    return graph, o, ht
+
+
+def test_cuda_graph_replay_with_new_inputs() -> None:
+    spec = cases.SPECS["lb_safe"]
+    kernel = cases.kernel_for("lb_safe")
+    case = cases.VL((0, 15, 100, 300, 301, 512), 2, init=True)
+    static = cases.build_inputs(spec, case)
+    graph, o, ht = _capture(kernel, static)
+    for seed in (101, 202):
+        cases.copy_into(static, cases.build_inputs(spec, cases.with_seed(case, seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_ht = cases.run_reference(spec, static)
+        assert_close(f"o (replay seed {seed})", ref_o, o, TOL)
+        assert_close(f"ht (replay seed {seed})", ref_ht, ht, TOL)
+
+
+def test_cuda_graph_replay_with_new_cu_seqlens() -> None:
+    """Same N and total tokens, different boundaries: nothing may be derived from cu_seqlens on the host."""
+    spec = cases.SPECS["lb_safe_gva2_vk_bbf16"]
+    kernel = cases.kernel_for("lb_safe_gva2_vk_bbf16")
+    case = cases.VL((0, 15, 100, 300, 301, 512), 2, init=True)
+    static = cases.build_inputs(spec, case)
+    graph, o, ht = _capture(kernel, static)
+    new_cu = (0, 1, 200, 201, 400, 512)  # length-1 sequences and a chunk-crossing long one
+    cases.copy_into(static, cases.build_inputs(spec, replace(case, cu=new_cu, seed=7)))
+    assert static["cu_seqlens"].tolist() == list(new_cu)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_ht = cases.run_reference(spec, static)
+    assert_close("o (replay, new cu_seqlens)", ref_o, o, TOL)
+    assert_close("ht (replay, new cu_seqlens)", ref_ht, ht, TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prebuilt artifacts: KDAGEN_DISABLE_JIT
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+_LOAD_SNIPPET = """
+import json, time
+import torch
+import kdagen
+from kdagen.reference import make_inputs
+
+spec = json.loads({spec_json!r})
+t0 = time.perf_counter()
+kernel = kdagen.get_kernel(spec)
+load_ms = (time.perf_counter() - t0) * 1e3
+inp = make_inputs(1, 100, 2, 2, 128, 128, dtype="bf16", beta_dtype="fp32", g_dtype="fp32",
+                  gate="lower_bound", safe_gate=True, lower_bound=-5.0, seed=0, device="cuda",
+                  cu_seqlens=[0, 1, 100], with_initial_state=True)
+o, ht = kernel(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+               dt_bias=inp["dt_bias"], initial_state=inp["initial_state"], output_final_state=True,
+               cu_seqlens=inp["cu_seqlens"])
+torch.cuda.synchronize()
+assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all()
+print(f"kdagen: loaded {{kernel!r}} from the cache in {{load_ms:.1f}} ms (KDAGEN_DISABLE_JIT=1)")
+"""
+
+
+def test_fresh_process_loads_from_cache_without_jit() -> None:
+    spec = cases.SPECS["lb_safe"]
+    cases.kernel_for("lb_safe")  # builds into the cache if this session has not yet
+    code = _LOAD_SNIPPET.format(spec_json=json.dumps(spec))
+    res = subprocess.run([sys.executable, "-c", code], env=_subprocess_env(KDAGEN_DISABLE_JIT="1"),
+                         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert res.returncode == 0, f"fresh process failed (stdout: {res.stdout!r})\n{res.stderr}"
+    match = re.search(r"from the cache in ([0-9.]+) ms", res.stdout)
+    assert match, res.stdout
+    print(res.stdout.strip())
+
+
+def test_cache_miss_raises_under_disable_jit(tmp_path: Path) -> None:
+    from kdagen.spec import KernelSpec
+
+    spec = cases.SPECS["lb_safe"]
+    code = textwrap.dedent(f"""
+        import json, kdagen
+        from kdagen.errors import CacheMissError
+        try:
+            kdagen.get_kernel(json.loads({json.dumps(spec)!r}))
+        except CacheMissError as e:
+            print("CacheMissError:", e)
+        else:
+            raise SystemExit("no CacheMissError for a spec absent from an empty cache")
+    """)
+    env = _subprocess_env(KDAGEN_DISABLE_JIT="1", KDAGEN_CACHE_DIR=str(tmp_path / "empty-cache"),
+                          KDAGEN_GENERATED_DIR=str(tmp_path / "generated"))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=REPO_ROOT)
+    assert res.returncode == 0, f"stdout: {res.stdout!r}\n{res.stderr}"
+    assert res.stdout.startswith("CacheMissError:"), res.stdout
+    slug = KernelSpec(**spec).slug()
+    assert slug in res.stdout, f"the CacheMissError message should name the spec ({slug}): {res.stdout!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# input validation: InputError naming the argument
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _valid_inputs(spec_name: str = "lb_safe") -> dict[str, Any]:
+    # K = V = 128 and N = 2 sequences; the spec's layout is kv.
+    return cases.build_inputs(cases.SPECS[spec_name], cases.VL((0, 20, 64), 2, init=True))
+
+
+def _bad_cu(values: list[int], device: str = "cpu") -> Callable[[dict[str, Any]], None]:
+    # Values are only checked when cu_seqlens lives on the CPU: reading device values would synchronise
+    # (kdagen/runtime.py contract), so these cases pass a host tensor.
+    def mutate(inp: dict[str, Any]) -> None:
+        inp["cu_seqlens"] = torch.tensor(values, dtype=torch.int32, device=device)
+        inp["initial_state"] = None  # N may change with the values: keep the error about cu_seqlens alone
+
+    return mutate
+
+
+def _set(name: str, make: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    def mutate(inp: dict[str, Any]) -> None:
+        inp[name] = make(inp)
+
+    return mutate
+
+
+def _batch2(inp: dict[str, Any]) -> None:
+    for n in ("q", "k", "v", "g", "beta"):
+        inp[n] = torch.cat([inp[n], inp[n]], dim=0)
+
+
+def _hv3(inp: dict[str, Any]) -> None:  # HV = 3 with H = 2 (and gva_ratio 1)
+    for n in ("v", "g", "beta"):
+        x = inp[n]
+        inp[n] = torch.cat([x, x[:, :, :1]], dim=2)
+    inp["A_log"] = torch.cat([inp["A_log"], inp["A_log"][:1]])
+    inp["dt_bias"] = torch.cat([inp["dt_bias"], inp["dt_bias"][:128]])
+    inp["initial_state"] = None
+
+
+def _head_dim_64(names: tuple[str, ...]) -> Callable[[dict[str, Any]], None]:
+    def mutate(inp: dict[str, Any]) -> None:
+        for n in names:
+            inp[n] = inp[n][..., :64].contiguous()
+
+    return mutate
+
+
+# (id, mutation of valid inputs, argument names of which at least one must appear in the message)
+BAD_INPUTS: tuple[tuple[str, Callable[[dict[str, Any]], None], tuple[str, ...]], ...] = (
+    ("q-dtype-fp16", _set("q", lambda i: i["q"].half()), ("q",)),
+    ("k-shape", _set("k", lambda i: i["k"][:, :-1].contiguous()), ("k",)),
+    ("v-dtype-fp32", _set("v", lambda i: i["v"].float()), ("v",)),
+    ("g-on-cpu", _set("g", lambda i: i["g"].cpu()), ("g",)),
+    ("q-on-cpu", _set("q", lambda i: i["q"].cpu()), ("q",)),
+    ("beta-dtype-bf16", _set("beta", lambda i: i["beta"].bfloat16()), ("beta",)),
+    ("beta-shape", _set("beta", lambda i: i["beta"][..., None].contiguous()), ("beta",)),
+    ("cu-non-monotonic", _bad_cu([0, 40, 20, 64]), ("cu_seqlens",)),
+    ("cu-not-starting-at-0", _bad_cu([5, 20, 64]), ("cu_seqlens",)),
+    ("cu-float", _set("cu_seqlens", lambda i: i["cu_seqlens"].float()), ("cu_seqlens",)),
+    ("cu-with-batch-2", _batch2, ("cu_seqlens", "q", "B")),
+    ("hv-not-multiple-of-h", _hv3, ("v", "HV")),
+    ("head-dim-k-64", _head_dim_64(("q", "k", "g")), ("q", "k")),
+    ("head-dim-v-64", _head_dim_64(("v",)), ("v",)),
+    ("h0-dtype-bf16", _set("initial_state", lambda i: i["initial_state"].bfloat16()), ("initial_state",)),
+    ("h0-shape-n", _set("initial_state", lambda i: i["initial_state"][:1].contiguous()), ("initial_state",)),
+    ("h0-shape-v", _set("initial_state", lambda i: i["initial_state"][..., :64].contiguous()),
+     ("initial_state",)),
+    ("A_log-shape", _set("A_log", lambda i: i["A_log"][:1].contiguous()), ("A_log",)),
+)
+
+
+def _names_argument(message: str, names: tuple[str, ...]) -> bool:
+    return any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", message) for n in names)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "names"), [(m, n) for _, m, n in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_raises_input_error(
+    mutate: Callable[[dict[str, Any]], None], names: tuple[str, ...]
+) -> None:
+    from kdagen.errors import InputError
+
+    kernel = cases.kernel_for("lb_safe")
+    inp = _valid_inputs()
+    mutate(inp)
+    with pytest.raises(InputError) as err:
+        cases.run_kernel(kernel, inp, True)
+    assert _names_argument(str(err.value), names), f"message should name one of {names}: {err.value}"
+
+
+def test_gva_ratio_mismatch_raises_input_error() -> None:
+    """A GVA-2 kernel called with HV == H."""
+    from kdagen.errors import InputError
+
+    kernel = cases.kernel_for("lb_safe_gva2_vk_bbf16")
+    inp = cases.build_inputs(cases.SPECS["lb_safe"], cases.VL((0, 20, 64), 2))
+    inp["beta"] = inp["beta"].bfloat16()
+    with pytest.raises(InputError) as err:
+        cases.run_kernel(kernel, inp, True)
+    assert _names_argument(str(err.value), ("v", "HV", "gva_ratio")), str(err.value)
+
+
+def test_valid_inputs_pass() -> None:
+    """The unmodified inputs of the validation tests are accepted: each failure above is the mutation's."""
+    o, ht = cases.run_kernel(cases.kernel_for("lb_safe"), _valid_inputs(), True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o.float()).all() and ht is not None

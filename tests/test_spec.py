@@ -1,0 +1,462 @@
+"""Spec model, spec files, capability checks, slugs and keys (CPU only)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+
+from kdagen import arch as arch_mod
+from kdagen import keys
+from kdagen.errors import SpecError
+from kdagen.spec import KernelSpec, load_spec_file, resolve_spec, validate_capabilities
+
+BASE = KernelSpec(arch="sm_90a")
+
+
+def _spec_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, name: str = "sm90.yaml") -> str:
+    """Write specs/<name> under tmp_path, chdir there, and return the relative path as a user types it."""
+    (tmp_path / "specs").mkdir(exist_ok=True)
+    (tmp_path / "specs" / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    return f"specs/{name}"
+
+
+def _err(fn, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(SpecError) as ei:
+        fn(*args, **kwargs)
+    return str(ei.value)
+
+
+# -- the model ----------------------------------------------------------------------------------------------
+
+
+def test_defaults_match_internals():
+    assert BASE.model_dump() == {
+        "arch": "sm_90a",
+        "family": "auto",
+        "head_dim_k": 128,
+        "head_dim_v": 128,
+        "chunk_size": 16,
+        "gva_ratio": 1,
+        "gate": "lower_bound",
+        "lower_bound": -5.0,
+        "safe_gate": True,
+        "l2norm_qk": True,
+        "dtype": "bf16",
+        "g_dtype": "fp32",
+        "beta_dtype": "fp32",
+        "state_dtype": "fp32",
+        "state_layout": "kv",
+    }
+
+
+def test_canonical_json_digest_and_slug():
+    cj = BASE.canonical_json()
+    assert " " not in cj
+    assert list(json.loads(cj)) == sorted(KernelSpec.model_fields)
+    assert BASE.digest() == hashlib.sha256(cj.encode()).hexdigest()
+    assert (
+        BASE.slug()
+        == f"kda_fwd-sm90a-k128v128-c16-gva1-gate_lb5-safe-l2-bf16-g32-b32-kv-{BASE.digest()[:12]}"
+    )
+    sp = BASE.replace(gate="softplus", lower_bound=None, safe_gate=False, l2norm_qk=False, g_dtype="bf16")
+    assert re.fullmatch(r"kda_fwd-sm90a-k128v128-c16-gva1-gate_sp-bf16-gbf16-b32-kv-[0-9a-f]{12}", sp.slug())
+    pre = BASE.replace(gate="precomputed", lower_bound=-2.5, family="mma_sync", state_layout="vk")
+    assert pre.slug().startswith("kda_fwd-sm90a-mma_sync-k128v128-c16-gva1-gate_pre_lb2p5-safe-l2-")
+
+
+def test_int_and_float_lower_bound_are_the_same_spec():
+    assert KernelSpec(arch="sm_90a", lower_bound=-5) == BASE
+    assert KernelSpec(arch="sm_90a", lower_bound=-5).canonical_json() == BASE.canonical_json()
+
+
+def test_frozen_hashable_picklable():
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is an implementation detail
+        BASE.gva_ratio = 2  # type: ignore[misc]
+    assert hash(BASE) == hash(KernelSpec(arch="sm_90a"))
+    assert pickle.loads(pickle.dumps(BASE)) == BASE
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"gva_ratio": 3}, "KernelSpec: field 'gva_ratio': expected one of 1, 2, 4, 8, got 3"),
+        ({"gva_ratio": True}, "field 'gva_ratio': expected one of 1, 2, 4, 8, got True"),
+        ({"head_dim_k": 96}, "field 'head_dim_k': expected one of 64, 128, got 96"),
+        ({"head_dim_v": "128"}, "field 'head_dim_v': expected one of 64, 128, got '128'"),
+        (
+            {"arch": "sm_90"},
+            "field 'arch': expected one of 'sm_80', 'sm_89', 'sm_90a', 'sm_100a', got 'sm_90' "
+            "(did you mean 'sm_90a'?)",
+        ),
+        (
+            {"dtype": "bf61"},
+            "field 'dtype': expected one of 'bf16', 'fp16', got 'bf61' (did you mean 'bf16'?)",
+        ),
+        ({"state_dtype": "bf16"}, "field 'state_dtype': expected one of 'fp32', got 'bf16'"),
+        ({"hed_dim_k": 128}, "field 'hed_dim_k': unknown field (did you mean 'head_dim_k'?)"),
+        ({"safe_gate": "yes"}, "field 'safe_gate': expected true or false, got 'yes'"),
+        ({"chunk_size": 24}, "field 'chunk_size': expected a power of two in [16, 128], got 24"),
+        ({"chunk_size": 16.0}, "field 'chunk_size': expected an integer, got 16.0"),
+        ({"lower_bound": "x"}, "field 'lower_bound': expected a number or null, got 'x'"),
+        ({"lower_bound": float("nan")}, "field 'lower_bound': expected a finite number, got nan"),
+        (
+            {"gate": "softplus"},
+            "field 'lower_bound': gate 'softplus' is unbounded below: it needs lower_bound: "
+            "null and safe_gate: false",
+        ),
+        ({"gate": "softplus", "lower_bound": None}, "field 'safe_gate': gate 'softplus' is unbounded below"),
+        (
+            {"safe_gate": False, "lower_bound": 0.5},
+            "field 'lower_bound': gate 'lower_bound' needs a float < 0",
+        ),
+        (
+            {"safe_gate": False, "lower_bound": None},
+            "field 'lower_bound': gate 'lower_bound' needs a float < 0",
+        ),
+        ({"lower_bound": -6.0}, "field 'lower_bound': safe_gate needs lower_bound in [-5, 0)"),
+        (
+            {"gate": "precomputed", "safe_gate": False},
+            "field 'lower_bound': gate 'precomputed' without safe_gate has no use for lower_bound",
+        ),
+    ],
+)
+def test_field_errors_name_the_field(fields: dict[str, Any], message: str):
+    text = _err(KernelSpec, **{"arch": "sm_90a", **fields})
+    assert message in text
+    assert text.startswith("KernelSpec: field '")
+
+
+def test_missing_arch():
+    assert _err(KernelSpec) == "KernelSpec: field 'arch': required field is missing"
+
+
+def test_valid_gate_combinations():
+    KernelSpec(arch="sm_90a", gate="softplus", lower_bound=None, safe_gate=False)
+    KernelSpec(arch="sm_90a", gate="precomputed", safe_gate=False, lower_bound=None)
+    KernelSpec(arch="sm_90a", gate="precomputed", lower_bound=-1.0)  # safe promise with a bound
+    KernelSpec(arch="sm_90a", gate="lower_bound", lower_bound=-8.0, safe_gate=False)  # unsafe: any bound < 0
+
+
+def test_several_problems_are_reported_together():
+    with pytest.raises(SpecError) as ei:
+        KernelSpec(arch="sm_90a", gva_ratio=3, dtype="fp8")
+    assert len(ei.value.problems) == 2
+    assert str(ei.value).count("\n") == 1
+
+
+# -- capabilities and arch records --------------------------------------------------------------------------
+
+
+def test_arch_records():
+    assert set(get_args(KernelSpec.model_fields["arch"].annotation)) == set(arch_mod.ARCHS)
+    b200 = arch_mod.get_arch("sm_100a")
+    assert not b200.can_run_here
+    assert b200.note == "compiled and inspected only: no Blackwell GPU in this project"
+    assert b200.run_here == "compile-only: no Blackwell GPU"
+    assert arch_mod.get_arch("sm_90a").smem_bytes_per_block == 227 * 1024
+    assert arch_mod.get_arch("sm_80").smem_bytes_per_block == 163 * 1024
+    assert [a.num_sms_hint for a in arch_mod.ARCHS.values()] == [108, 142, 132, 148]
+    for a in arch_mod.ARCHS.values():
+        assert "mma_sync" in a.families
+    assert (
+        _err(arch_mod.get_arch, "sm_70")
+        == "unknown arch 'sm_70': expected one of sm_80, sm_89, sm_90a, sm_100a"
+    )
+
+
+def test_capabilities_refuse_chunk_size_for_mma_sync():
+    spec = BASE.replace(chunk_size=64)  # structurally valid: another family may support it one day
+    msg = _err(validate_capabilities, spec, source="specs/sm90.yaml", variant="c64")
+    assert msg.startswith("specs/sm90.yaml: variant 'c64': field 'chunk_size': the mma_sync family supports ")
+    assert "chunk_size 16 only, got 64" in msg
+    validate_capabilities(BASE)
+
+
+def test_capabilities_refuse_family_not_available(monkeypatch: pytest.MonkeyPatch):
+    archs = dict(arch_mod.ARCHS)
+    archs["sm_89"] = replace(archs["sm_89"], families=())
+    monkeypatch.setattr(arch_mod, "ARCHS", archs)
+    msg = _err(
+        validate_capabilities, KernelSpec(arch="sm_89", family="mma_sync"), source="f.yaml", variant="v"
+    )
+    assert (
+        msg
+        == "f.yaml: variant 'v': field 'family': family 'mma_sync' is not available for sm_89 (available: )"
+    )
+
+
+# -- spec files ---------------------------------------------------------------------------------------------
+
+FILE = """\
+description: test
+defaults:
+  arch: sm_90a
+  head_dim_k: 128
+variants:
+  - name: k128
+  - name: k128-vk
+    state_layout: vk
+  - name: "k{head_dim_k}-gva{gva_ratio}-{dtype}"
+    dtype: fp16
+    matrix:
+      head_dim_k: [64, 128]
+      gva_ratio: [2, 4]
+  - name: sp
+    gate: softplus
+    lower_bound: null
+    safe_gate: false
+"""
+
+
+def test_load_defaults_variants_matrix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    specs = load_spec_file(_spec_file(tmp_path, monkeypatch, FILE))
+    assert list(specs) == [
+        "k128",
+        "k128-vk",
+        "k64-gva2-fp16",
+        "k64-gva4-fp16",
+        "k128-gva2-fp16",
+        "k128-gva4-fp16",
+        "sp",
+    ]
+    assert specs["k128"] == BASE
+    assert specs["k128-vk"] == BASE.replace(state_layout="vk")
+    assert specs["k64-gva4-fp16"] == BASE.replace(head_dim_k=64, gva_ratio=4, dtype="fp16")
+    assert specs["sp"].gate == "softplus" and specs["sp"].lower_bound is None
+
+
+def test_file_error_names_file_variant_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(
+        tmp_path,
+        monkeypatch,
+        "defaults: {arch: sm_90a}\nvariants:\n  - name: k128\n  - name: k128-gva2\n    gva_ratio: 3\n",
+    )
+    assert _err(load_spec_file, path) == (
+        "specs/sm90.yaml: variant 'k128-gva2': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3"
+    )
+
+
+def test_file_reports_every_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(
+        tmp_path,
+        monkeypatch,
+        "defaults: {arch: sm_90a}\nvariants:\n"
+        "  - {name: a, gva_ratio: 3}\n  - {name: b, chunk_size: 64}\n  - {name: a}\n  - {name: ok}\n",
+    )
+    with pytest.raises(SpecError) as ei:
+        load_spec_file(path)
+    assert ei.value.problems == [
+        "specs/sm90.yaml: variant 'a': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3",
+        "specs/sm90.yaml: variant 'b': field 'chunk_size': the mma_sync family supports chunk_size 16 only, "
+        "got 64 (family 'auto' on sm_90a tried mma_sync)",
+        "specs/sm90.yaml: variant 'a': duplicate name (first at variant #1)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("variants: [", "specs/sm90.yaml: invalid YAML: "),
+        ("- a\n- b\n", "specs/sm90.yaml: expected a mapping with 'defaults:' and 'variants:', got a list"),
+        ("defaults: {arch: sm_90a}\nvariant: []\n", "specs/sm90.yaml: unknown top-level key 'variant'"),
+        ("defaults: {arch: sm_90a}\n", "specs/sm90.yaml: 'variants:' must be a non-empty list, got null"),
+        (
+            "defaults: {arch: sm_90a, hed: 1}\nvariants: [{name: a}]\n",
+            "specs/sm90.yaml: defaults: field 'hed'",
+        ),
+        (
+            "defaults: {arch: sm_90a}\nvariants: [{gva_ratio: 2}]\n",
+            "specs/sm90.yaml: variant #1: missing 'name:'",
+        ),
+        ("defaults: {arch: sm_90a}\nvariants: [k128]\n", "specs/sm90.yaml: variant #1: expected a mapping"),
+        ("defaults: {arch: sm_90a}\nvariants: [{name: 'a:b'}]\n", "variant #1: name 'a:b': expected letters"),
+        (
+            "defaults: {arch: sm_90a}\nvariants: [{name: same, matrix: {gva_ratio: [1, 2]}}]\n",
+            "specs/sm90.yaml: variant #1 (matrix): name 'same': must use a matrix field such as "
+            "'{gva_ratio}'",
+        ),
+        (
+            "defaults: {arch: sm_90a}\nvariants: [{name: 'g{gva_ratio}', matrix: {gva_ratio: 2}}]\n",
+            "specs/sm90.yaml: variant #1 (matrix): field 'gva_ratio': expected a non-empty list of values",
+        ),
+        (
+            "defaults: {arch: sm_90a}\nvariants: [{name: 'g{gva_ratio}{x}', matrix: {gva_ratio: [2]}}]\n",
+            "specs/sm90.yaml: variant #1 (matrix): name 'g{gva_ratio}{x}': bad placeholder 'x'",
+        ),
+        (
+            "defaults: {arch: sm_90a}\nvariants: [{name: 'g{gva_ratio}', matrix: {gva_ratio: [3]}}]\n",
+            "specs/sm90.yaml: variant 'g3': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3",
+        ),
+    ],
+)
+def test_file_structure_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, message: str):
+    assert message in _err(load_spec_file, _spec_file(tmp_path, monkeypatch, text))
+
+
+def test_missing_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    assert _err(load_spec_file, "specs/nope.yaml") == "specs/nope.yaml: no such spec file"
+
+
+def test_file_cache_sees_edits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(tmp_path, monkeypatch, "defaults: {arch: sm_90a}\nvariants: [{name: a}]\n")
+    assert list(load_spec_file(path)) == ["a"]
+    Path(path).write_text("defaults: {arch: sm_90a}\nvariants: [{name: a}, {name: bb}]\n")
+    assert list(load_spec_file(path)) == ["a", "bb"]
+
+
+# -- resolve_spec -------------------------------------------------------------------------------------------
+
+
+def test_resolve_spec_three_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(tmp_path, monkeypatch, FILE)
+    assert resolve_spec(BASE) == (None, BASE)
+    assert resolve_spec({"arch": "sm_90a"}) == (None, BASE)
+    assert resolve_spec(f"{path}:k128-vk") == ("k128-vk", BASE.replace(state_layout="vk"))
+    assert resolve_spec(Path(tmp_path / "specs" / "sm90.yaml").as_posix() + ":k128") == ("k128", BASE)
+
+
+def test_resolve_spec_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(tmp_path, monkeypatch, FILE)
+    assert "no variant 'k12' (did you mean 'k128'? variants: k128, k128-vk," in _err(
+        resolve_spec, f"{path}:k12"
+    )
+    assert "holds 7 variants; name one as 'specs/sm90.yaml:<name>'" in _err(resolve_spec, path)
+    assert _err(resolve_spec, {"arch": "sm_90a", "gva_ratio": 5}).startswith("spec dict: field 'gva_ratio'")
+    assert "field 'chunk_size'" in _err(resolve_spec, BASE.replace(chunk_size=32))
+    assert "got int" in _err(resolve_spec, 3)
+
+
+def test_resolve_single_variant_file_and_repo_relative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(
+        tmp_path, monkeypatch, "defaults: {arch: sm_80}\nvariants: [{name: only}]\n", "one.yaml"
+    )
+    assert resolve_spec(path) == ("only", KernelSpec(arch="sm_80"))
+    # "specs/sm90.yaml:..." of the checkout is found from any working directory.
+    monkeypatch.chdir(tmp_path / "specs")
+    name, spec = resolve_spec("specs/sm90.yaml:k128")
+    assert (name, spec.arch) == ("k128", "sm_90a")
+
+
+# -- keys ---------------------------------------------------------------------------------------------------
+
+TOOLCHAIN = {"nvidia-cutlass-dsl": "4.8.1", "apache-tvm-ffi": "0.1.15.post2", "cuda_flavour": "cu13"}
+RENDERED = {"prepare.py": "x = 1\n", "recurrence.py": "y = 2\n"}
+OPTIONS = "--gpu-arch sm_90a --enable-tvm-ffi"
+
+
+def _key(spec: KernelSpec, rendered=RENDERED, options=OPTIONS, toolchain=TOOLCHAIN) -> str:
+    return keys.cache_key(spec, rendered, options, toolchain=toolchain)[0]
+
+
+def _alternatives(field: str) -> list[Any]:
+    ann = KernelSpec.model_fields[field].annotation
+    if field == "chunk_size":
+        return [16, 32, 64, 128]
+    if field == "lower_bound":
+        return [None, -5.0, -2.5, -1.0, -0.5, -8.0]
+    if ann is bool:
+        return [True, False]
+    return list(get_args(ann))
+
+
+def test_key_is_injective_in_every_field():
+    """Changing any one field, to every other value that gives a valid spec, changes key, digest and slug."""
+    bases = [
+        BASE,
+        BASE.replace(gate="softplus", lower_bound=None, safe_gate=False),
+        BASE.replace(gate="precomputed", safe_gate=False, lower_bound=None),
+    ]
+    seen: dict[str, KernelSpec] = {}
+    changed_fields: set[str] = set()
+    for base in bases:
+        k0 = _key(base)
+        seen.setdefault(k0, base)
+        for field in KernelSpec.model_fields:
+            for value in _alternatives(field):
+                if value == getattr(base, field):
+                    continue
+                try:
+                    other = base.replace(**{field: value})
+                except SpecError:
+                    continue  # not valid as a single-field change from this base
+                changed_fields.add(field)
+                k = _key(other)
+                assert k != k0, f"{field}: {getattr(base, field)!r} -> {value!r} kept the key"
+                assert other.slug() != base.slug() and other.slug()[-12:] != base.slug()[-12:]
+                assert other.digest() != base.digest()
+                assert seen.setdefault(k, other) == other, "two different specs share a key"
+    single_valued = {f for f in KernelSpec.model_fields if len(_alternatives(f)) == 1}
+    assert single_valued == {"state_dtype"}  # extend _alternatives when a field gains a value
+    assert changed_fields == set(KernelSpec.model_fields) - single_valued
+
+
+def test_key_depends_on_sources_options_toolchain():
+    k = _key(BASE)
+    assert re.fullmatch(r"[0-9a-f]{24}", k)
+    assert _key(BASE) == k  # deterministic
+    assert _key(BASE, rendered={**RENDERED, "prepare.py": "x = 2\n"}) != k
+    assert _key(BASE, rendered={**RENDERED, "extra.py": ""}) != k
+    assert _key(BASE, options="--gpu-arch sm_90a") != k
+    assert _key(BASE, toolchain={**TOOLCHAIN, "nvidia-cutlass-dsl": "4.9.0"}) != k
+    assert _key(BASE, toolchain={**TOOLCHAIN, "cuda_flavour": "cu12"}) != k
+
+
+def test_key_explain_parts():
+    key, parts = keys.cache_key(BASE, RENDERED, OPTIONS, toolchain=TOOLCHAIN)
+    assert list(parts) == ["spec", "sources", "toolchain", "compile_options"]
+    assert parts["spec"]["value"] == BASE.canonical_json()
+    assert parts["spec"]["sha256"] == BASE.digest()
+    assert parts["sources"]["value"] == {
+        n: hashlib.sha256(t.encode()).hexdigest() for n, t in RENDERED.items()
+    }
+    assert parts["compile_options"]["sha256"] == hashlib.sha256(OPTIONS.encode()).hexdigest()
+    blob = json.dumps({n: p["sha256"] for n, p in parts.items()}, sort_keys=True, separators=(",", ":"))
+    assert key == hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+class _Dist:
+    def __init__(self, name: str, version: str) -> None:
+        self.metadata = {"Name": name}
+        self.version = version
+
+
+def test_toolchain_fingerprint_selects_flavour(monkeypatch: pytest.MonkeyPatch):
+    dists = [
+        _Dist("nvidia-cutlass-dsl", "4.8.1"),
+        _Dist("nvidia_cutlass_dsl_libs_base", "4.8.1"),
+        _Dist("nvidia-cutlass-dsl-libs-cu12", "4.8.1"),
+        _Dist("nvidia-cutlass-dsl-libs-cu13", "4.8.1"),
+        _Dist("apache-tvm-ffi", "0.1.15.post2"),
+        _Dist("nvidia-cutlass-dsl", "9.9.9"),  # shadowed: later on sys.path
+        _Dist("torch", "2.13.0"),
+    ]
+    monkeypatch.setattr(keys.md, "distributions", lambda: iter(dists))
+    keys.toolchain_fingerprint.cache_clear()
+    try:
+        fp = keys.toolchain_fingerprint()
+    finally:
+        keys.toolchain_fingerprint.cache_clear()
+    assert fp == {
+        "apache-tvm-ffi": "0.1.15.post2",
+        "cuda_flavour": "cu13",
+        "nvidia-cutlass-dsl": "4.8.1",
+        "nvidia-cutlass-dsl-libs-base": "4.8.1",
+        "nvidia-cutlass-dsl-libs-cu13": "4.8.1",
+    }
+
+
+def test_toolchain_fingerprint_installed():
+    fp = keys.toolchain_fingerprint()
+    assert fp["nvidia-cutlass-dsl"] == "4.8.1"
+    assert fp["apache-tvm-ffi"] is not None
+    assert fp["cuda_flavour"] in ("cu12", "cu13")
+    assert not any("python" in k.lower() for k in fp)
