@@ -368,6 +368,34 @@ def print_table(rows: list[dict[str, Any]], title: str, footer: str) -> None:
         console.print(f"[red]{line}[/red]", highlight=False)
 
 
+def write_markdown(rows: list[dict[str, Any]], path: Path, title: str, footer: str) -> str:
+    """The table as Markdown, committed next to the JSON and the PNG."""
+    lines = [f"# {title}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    lines += ["", footer, ""]
+    path.write_text("\n".join(lines))
+    return f"wrote {path}"
+
+
+def headline_geomean(rows: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """Geomean speed-up over the 28-config headline suite (the extra long-sequence section excluded)."""
+    speedups = [r["speedup"] for r in rows if r.get("speedup") and r.get("kind") != "long"]
+    return geomean(speedups), len(speedups)
+
+
+def markdown_from_json(path: Path) -> str:
+    data = json.loads(path.read_text())
+    meta, rows = data["meta"], data["rows"]
+    gm, n = headline_geomean(rows)
+    title = f"KDA forward, kdagen vs FLA chunk_kda, {meta['card']['name']} ({meta['date'][:10]})"
+    footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; median of {meta['iters']} "
+              f"(warmup {meta['warmup']}); {meta['fla']}, torch {meta['torch']}; floors: HBM "
+              f"{_fmt(meta['card']['hbm_tbps'], 'g')} TB/s, "
+              f"{_fmt(meta['card']['bf16_tflops'], 'g')} TFLOP/s, "
+              f"serial {meta['step_us']:g} us per step")
+    return write_markdown(rows, path.with_suffix(".md"), title, footer)
+
+
 def write_png(rows: list[dict[str, Any]], path: Path, title: str) -> str:
     try:
         import matplotlib
@@ -411,6 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fla", action="store_true", help="do not run FLA even if it is installed")
     p.add_argument("--json", type=Path, help="result file (default benchmarks/results/<card>-<date>.json)")
     p.add_argument("--png", type=Path, help="plot file (default: the JSON path with .png)")
+    p.add_argument("--md-from", type=Path, help="only write the Markdown table of an existing result JSON")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
@@ -419,6 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.md_from is not None:
+        print(markdown_from_json(args.md_from))
+        return 0
     if not torch.cuda.is_available():
         print("bench_fwd: no CUDA GPU visible (torch.cuda.is_available() is False); nothing to run")
         return 2
@@ -462,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {json_path}")
     print(write_png(rows, args.png or json_path.with_suffix(".png"), f"{title}\n{footer}"))
+    print(markdown_from_json(json_path))
     return 0
 
 

@@ -74,6 +74,7 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
 
 def build_variant(spec: Any, force: bool = False, name: str | None = None) -> BuildResult:
     """Make sure the variant's artifacts are in the cache, compiling them on a miss; says what was done."""
+    ref = str(spec) if isinstance(spec, (str, Path)) else None  # "file.yaml:name", for messages
     vname, spec = resolve_spec(spec)
     name = name or vname
     plan, rendered, key, parts = describe(spec)
@@ -82,9 +83,11 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
     found = None if force else cache.lookup(spec, key, stages)
     if found is None:
         if paths.jit_disabled():
+            what = f"{ref or name or 'spec'} = {spec.slug()}"
+            how = "kdagen build " + (ref.rsplit(":", 1)[0] if ref else "<the spec file holding it>")
             raise CacheMissError(
-                f"{paths.ENV_DISABLE_JIT}=1 and no cached build of {name or spec.slug()} (key {key}) in "
-                f"{cache.root}; build it first: kdagen build <specfile> (spec: {spec.canonical_json()})"
+                f"{paths.ENV_DISABLE_JIT}=1 and no cached build of {what} (key {key}) in {cache.root}; "
+                f"build it first ({how}) or unset {paths.ENV_DISABLE_JIT} (spec: {spec.canonical_json()})"
             )
         with cache.lock(spec, key):
             found = None if force else cache.lookup(spec, key, stages)  # another process may have built it

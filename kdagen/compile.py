@@ -53,7 +53,7 @@ def _pin_arch(arch: str) -> None:
 def fake_arguments(signature) -> list:
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     symbols: dict[str, object] = {}
 
@@ -66,7 +66,11 @@ def fake_arguments(signature) -> list:
 
     args = []
     for _name, kind, dtype, shape in signature:
-        if kind == "tensor":
+        if kind == "stream":
+            # Not an argument of the exported function: TVM-FFI passes its environment stream, which the
+            # runtime points at torch's current stream (so launches order with torch work and graph capture).
+            args.append(make_fake_stream(use_tvm_ffi_env_stream=True))
+        elif kind == "tensor":
             dims = tuple(dim(d) for d in shape)
             order = tuple(range(len(dims) - 1, -1, -1))  # row-major: last dim innermost
             args.append(
@@ -79,15 +83,21 @@ def fake_arguments(signature) -> list:
     return args
 
 
-def compile_stage_file(path: Path, arch: str) -> CompiledStage:
-    """Compile the generated stage at ``path`` for ``arch`` and return the exported object bytes."""
+def compile_stage_file(path: Path, arch: str, extra_options: str = "") -> CompiledStage:
+    """Compile the generated stage at ``path`` for ``arch`` and return the exported object bytes.
+
+    ``extra_options`` is appended to the `compile_options` string (e.g. ``"--keep-ptx --dump-dir DIR"`` to
+    inspect the PTX). It is not part of the cache key: `kdagen.build` never passes it, only tests and
+    diagnostics do.
+    """
     import cutlass.cute as cute
 
     _pin_arch(arch)
     start = time.perf_counter()
     module = _import_generated(path)
     entry = getattr(module, module.ENTRY)
-    compiled = cute.compile(entry, *fake_arguments(module.SIGNATURE), options=compile_options(arch))
+    options = compile_options(arch) + (f" {extra_options}" if extra_options else "")
+    compiled = cute.compile(entry, *fake_arguments(module.SIGNATURE), options=options)
     fd, tmp = tempfile.mkstemp(suffix=".o")
     os.close(fd)
     try:

@@ -170,11 +170,12 @@ class KDAKernel:
             scale = kdim ** -0.5
 
         # ---- outputs; nothing to launch for empty inputs ----
-        zero_fill = cu_seqlens is not None  # tokens past cu_seqlens[-1] (padding) must read as zeros
-        o = (torch.zeros if zero_fill else torch.empty)((total, hv, vdim), dtype=dt, device=device)
+        # Tokens past cu_seqlens[-1] (engine padding) get o = 0 from the recurrence stage itself.
+        o = torch.empty((total, hv, vdim), dtype=dt, device=device)
         ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
             if output_final_state else None
         if total == 0 or nseq == 0:
+            o.zero_()
             if ht is not None:
                 ht.copy_(initial_state) if initial_state is not None else ht.zero_()
             return o.view(bsz, seqlen, hv, vdim), ht

@@ -91,6 +91,24 @@ def test_explicit_scale() -> None:
     assert_close("ht", ref_ht, ht, TOL)
 
 
+def test_padding_tokens_past_cu_seqlens_are_zero() -> None:
+    """Engines pad packed batches: tokens past cu_seqlens[-1] belong to no sequence and must read o = 0."""
+    spec = cases.SPECS["lb_safe"]
+    case = cases.VL((0, 100, 250), 2, init=True, seed=5)
+    inp = cases.build_inputs(spec, case)
+    pad = 50
+    padded = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        t = inp[name]
+        filler = torch.randn((1, pad, *t.shape[2:]), device=t.device).to(t.dtype)  # garbage, not zeros
+        padded[name] = torch.cat([t, filler], dim=1)
+    o, ht = cases.run_kernel(cases.kernel_for("lb_safe"), padded, True)
+    ref_o, ref_ht = cases.run_reference(spec, inp, True)
+    assert torch.all(o[:, case.total :] == 0), "o past cu_seqlens[-1] must be exactly zero"
+    assert_close("o", ref_o, o[:, : case.total], TOL)
+    assert_close("ht", ref_ht, ht, TOL)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ---------------------------------------------------------------------------------------------------------

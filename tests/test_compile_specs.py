@@ -1,0 +1,222 @@
+"""Compile-only: every variant of every ``specs/*.yaml`` for its own target, through the real pipeline (CPU).
+
+design.md "Testing": compile-only of every variant for its target. Each variant goes through
+`kdagen.build.build_variant` (spec -> plan -> render -> key -> cute.compile -> cache) into a temp cache; the
+checks are parametrized per variant ("file:name"), so a failure names the variant. A second pass checks that
+the cache answers without compiling, and two variants are compiled again with ``--keep-ptx`` to read the PTX:
+the target must be the spec's, and the mma_sync family must use warp MMAs only (no wgmma, no tcgen05).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import kdagen.build
+import kdagen.compile
+from kdagen import paths
+from kdagen.spec import KernelSpec, load_spec_file
+
+SPEC_FILES = sorted(paths.specs_dir().glob("*.yaml"))
+
+
+def _variants() -> list[tuple[str, str, KernelSpec]]:
+    out = []
+    for f in SPEC_FILES:
+        for name, spec in load_spec_file(f).items():
+            out.append((f"{f.name}:{name}", name, spec))
+    return out
+
+
+VARIANTS = _variants()
+IDS = [vid for vid, _, _ in VARIANTS]
+
+
+@dataclass
+class Built:
+    result: kdagen.build.BuildResult | None
+    error: BaseException | None
+    seconds: float
+    first_of_key: bool  # False when an earlier variant had the same key (then it is a legitimate hit)
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory):
+    """A temp cache for the whole module; the env stays set until the module is done."""
+    root = tmp_path_factory.mktemp("kdagen-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KDAGEN_CACHE_DIR", str(root))
+        mp.setenv("KDAGEN_GENERATED_DIR", str(tmp_path_factory.mktemp("generated")))
+        mp.delenv("KDAGEN_DISABLE_JIT", raising=False)
+        assert paths.cache_dir() == root  # read at call time, not at import
+        yield root
+
+
+@pytest.fixture(scope="module")
+def built(cache_root: Path) -> dict[str, Built]:
+    """Build every variant once. A failure is recorded, not raised, so the other variants still run."""
+    out: dict[str, Built] = {}
+    seen: set[str] = set()
+    for vid, name, spec in VARIANTS:
+        start = time.perf_counter()
+        try:
+            res, err = kdagen.build.build_variant(spec, name=name), None
+        except Exception as e:  # reported by the test of this variant
+            res, err = None, e
+        first = res is not None and res.key not in seen
+        if res is not None:
+            seen.add(res.key)
+        out[vid] = Built(res, err, time.perf_counter() - start, first)
+    return out
+
+
+def _get(built: dict[str, Built], vid: str) -> kdagen.build.BuildResult:
+    b = built[vid]
+    if b.error is not None:
+        raise AssertionError(f"{vid}: build_variant failed: {type(b.error).__name__}: {b.error}") from b.error
+    return b.result
+
+
+def test_spec_files_found():
+    names = {f.name for f in SPEC_FILES}
+    assert {"sm80.yaml", "sm89.yaml", "sm90.yaml", "sm100.yaml"} <= names
+    assert len(VARIANTS) >= 4
+
+
+@pytest.mark.parametrize("vid,name,spec", VARIANTS, ids=IDS)
+def test_variant_compiles(built: dict[str, Built], cache_root: Path, vid: str, name: str, spec: KernelSpec):
+    res = _get(built, vid)
+    print(f"{vid}: build_variant {built[vid].seconds:.2f} s (compile {res.compile_seconds:.2f} s)")
+    plan, _rendered, key, _parts = kdagen.build.describe(spec)
+    assert re.fullmatch(r"[0-9a-f]{24}", res.key)
+    assert res.key == key
+    assert res.name == name
+    assert res.spec == spec
+    assert res.slug == spec.slug()
+    assert res.stages == plan.stage_names and res.stages
+    if built[vid].first_of_key:
+        assert res.cached is False, f"{vid}: first build in an empty cache reported a cache hit"
+        assert res.compile_seconds > 0
+
+    # The entry lives under the spec's own arch: <cache>/<arch>/<slug>-<key>/.
+    entry = cache_root / spec.arch / f"{spec.slug()}-{key}"
+    assert set(res.paths) == set(res.stages)
+    total = 0
+    for stage in res.stages:
+        p = res.paths[stage]
+        assert p == entry / f"{stage}.o"
+        assert p.is_file(), f"{vid}: missing artifact {p}"
+        size = p.stat().st_size
+        assert size > 0, f"{vid}: empty artifact {p}"
+        assert p.read_bytes()[:4] == b"\x7fELF", f"{vid}: {p.name} is not an ELF object"
+        total += size
+    assert res.artifact_bytes == total
+
+    meta_path = entry / "meta.json"
+    assert meta_path.is_file() and meta_path.stat().st_size > 0
+    meta = json.loads(meta_path.read_text())
+    assert meta["key"] == key
+    assert meta["arch"] == spec.arch
+    assert meta["slug"] == spec.slug()
+    assert meta["spec"] == json.loads(spec.canonical_json())
+    assert meta["stages"] == res.stages
+    for stage in res.stages:
+        data = res.paths[stage].read_bytes()
+        assert meta["artifacts"][stage]["bytes"] == len(data)
+        assert meta["artifacts"][stage]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("vid,name,spec", VARIANTS, ids=IDS)
+def test_variant_second_build_is_a_hit(
+    built: dict[str, Built], monkeypatch: pytest.MonkeyPatch, vid: str, name: str, spec: KernelSpec
+):
+    first = _get(built, vid)
+    mtimes = {s: p.stat().st_mtime_ns for s, p in first.paths.items()}
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError(f"{vid}: a cache hit must not compile (compile_stage_file{args!r})")
+
+    monkeypatch.setattr(kdagen.compile, "compile_stage_file", no_compile)
+    again = kdagen.build.build_variant(spec, name=name)
+    assert again.cached is True
+    assert again.compile_seconds == 0.0
+    assert again.key == first.key == kdagen.build.describe(spec)[2]
+    assert again.paths == first.paths
+    assert again.artifact_bytes == first.artifact_bytes
+    assert {s: p.stat().st_mtime_ns for s, p in again.paths.items()} == mtimes  # nothing rewritten
+
+
+# ---- the PTX honours the target ----------------------------------------------------------------------------
+
+PTX_CASES = [
+    ("sm90.yaml", "sm_90a"),
+    ("sm100.yaml", "sm_100a"),
+]
+_DSL_TO_PTX = {"BFloat16": "bf16", "Float16": "f16"}
+_MMA_RE = re.compile(r"mma\.sync\.aligned\.m\d+n\d+k\d+\.[a-z0-9.]+")
+_F16_ATOM_RE = re.compile(r"MmaF16BF16Op\(\s*([\w.]+)\s*,\s*cutlass\.Float32\s*,\s*\(16,\s*8,\s*16\)\s*\)")
+_TF32_ATOM_RE = re.compile(r"MmaTF32Op\(\s*\(16,\s*8,\s*8\)\s*\)")
+
+
+def _first_variant(file_name: str, arch: str) -> tuple[str, KernelSpec]:
+    for vid, _name, spec in VARIANTS:
+        if vid.startswith(f"{file_name}:") and spec.arch == arch:
+            return vid, spec
+    pytest.fail(f"no {arch} variant in specs/{file_name}")
+
+
+def _expected_mmas(source: str) -> set[str]:
+    """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms."""
+    out = set()
+    for ab in _F16_ATOM_RE.findall(source):
+        if not ab.startswith("cutlass."):  # an alias such as DT = cutlass.BFloat16
+            m = re.search(rf"^{re.escape(ab)}\s*=\s*(cutlass\.\w+)\s*$", source, flags=re.M)
+            assert m, f"cannot resolve MMA operand type {ab!r} in the rendered source"
+            ab = m.group(1)
+        t = _DSL_TO_PTX[ab.removeprefix("cutlass.")]
+        out.add(f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32")
+    if _TF32_ATOM_RE.search(source):
+        out.add("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
+    return out
+
+
+def _ptx_of(src: Path, stage: str, arch: str, dump: Path) -> str:
+    dump.mkdir(parents=True)  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
+    options = f"--keep-ptx --dump-dir {dump}"
+    out = kdagen.compile.compile_stage_file(src / f"{stage}.py", arch, extra_options=options)
+    assert out.object_bytes[:4] == b"\x7fELF"
+    ptx = sorted(dump.glob("*.ptx"))
+    assert len(ptx) == 1, f"expected one .ptx in {dump}, found {[p.name for p in dump.iterdir()]}"
+    assert ptx[0].name.endswith(f".{arch}.ptx")
+    return ptx[0].read_text()
+
+
+@pytest.mark.parametrize("file_name,arch", PTX_CASES, ids=[a for _, a in PTX_CASES])
+def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
+    """Each stage's PTX: ``.target <arch>``, warp MMAs only, exactly the MMA atoms its source declares."""
+    vid, spec = _first_variant(file_name, arch)
+    plan, rendered, _key, _parts = kdagen.build.describe(spec)
+    assert plan.family == "mma_sync"
+    src = tmp_path / "src" / spec.slug()
+    src.mkdir(parents=True)
+    for fname, text in rendered.items():
+        (src / fname).write_text(text)
+
+    for stage in plan.stage_names:
+        ptx = _ptx_of(src, stage, arch, tmp_path / f"dump-{stage}")
+        targets = re.findall(r"^\.target\s+(\S+)", ptx, flags=re.M)
+        assert targets == [arch], f"{vid} {stage}: .target lines {targets}, expected [{arch}]"
+        for forbidden in ("wgmma", "tcgen05"):
+            assert forbidden not in ptx, f"{vid} {stage}: PTX contains {forbidden} (mma_sync family)"
+        found = set(_MMA_RE.findall(ptx))
+        expected = _expected_mmas(rendered[f"{stage}.py"])
+        print(f"{vid} {stage} ({arch}): {sorted(found)}")
+        assert found == expected, f"{vid} {stage}: PTX has {sorted(found)}, source asks {sorted(expected)}"
+        if stage == "prepare":
+            assert any(m.startswith("mma.sync.aligned.m16n8k16.") for m in found), f"{vid}: no m16n8k16"
