@@ -56,7 +56,10 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
     # artifacts they produced (the cache entry), independent of any checkout's generated/ tree.
     src = entry / "src"
     src.mkdir(parents=True, exist_ok=True)
+    from kdagen.compile import link_shared
+
     objects: dict[str, bytes] = {}
+    shared: dict[str, bytes] = {}
     seconds = 0.0
     for stage in plan.stages:
         path = src / f"{stage.name}.py"
@@ -69,7 +72,11 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
             ) from e
         objects[stage.name] = result.object_bytes
         seconds += result.seconds
-    return objects, seconds
+        lib = link_shared(result.object_bytes)
+        if lib is not None:
+            shared[f"{stage.name}.so"] = lib
+    # Shared libraries only if every stage got one: a loader then never mixes the two paths.
+    return {**objects, **(shared if len(shared) == len(objects) else {})}, seconds
 
 
 def build_variant(spec: Any, force: bool = False, name: str | None = None) -> BuildResult:
@@ -80,7 +87,7 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
     plan, rendered, key, parts = describe(spec)
     cache = ArtifactCache()
     stages = plan.stage_names
-    found = None if force else cache.lookup(spec, key, stages)
+    found = None if force else lookup_built(cache, spec, key, stages)
     if found is None:
         if paths.jit_disabled():
             what = f"{ref or name or 'spec'} = {spec.slug()}"
@@ -90,7 +97,8 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
                 f"build it first ({how}) or unset {paths.ENV_DISABLE_JIT} (spec: {spec.canonical_json()})"
             )
         with cache.lock(spec, key):
-            found = None if force else cache.lookup(spec, key, stages)  # another process may have built it
+            # another process may have built it meanwhile
+            found = None if force else lookup_built(cache, spec, key, stages)
             if found is None:
                 objects, seconds = _compile_all(spec, plan, rendered, cache.entry_dir(spec, key))
                 meta = {
@@ -100,11 +108,21 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
                     "key_parts": {k: v["sha256"] for k, v in parts.items()},
                     "plan": {"family": plan.family, "reason": plan.reason},
                 }
-                found = cache.publish(spec, key, objects, meta)
+                published = cache.publish(spec, key, objects, meta)
                 size = sum(len(b) for b in objects.values())
-                return BuildResult(name, spec, spec.slug(), key, stages, seconds, size, False, found, plan)
+                objs = {s: published[s] for s in stages}
+                return BuildResult(name, spec, spec.slug(), key, stages, seconds, size, False, objs, plan)
     size = sum(p.stat().st_size for p in found.values())
-    return BuildResult(name, spec, spec.slug(), key, stages, 0.0, size, True, found, plan)
+    objs = {s: found[s] for s in stages}
+    return BuildResult(name, spec, spec.slug(), key, stages, 0.0, size, True, objs, plan)
+
+
+def lookup_built(
+    cache: ArtifactCache, spec: KernelSpec, key: str, stages: list[str]
+) -> dict[str, Path] | None:
+    """The valid cache entry of a build (objects, plus shared libraries where they were made), or None."""
+    # An entry holds each stage's object and, where the build box had a C compiler, its shared library.
+    return cache.lookup(spec, key, stages + [f"{s}.so" for s in stages]) or cache.lookup(spec, key, stages)
 
 
 _loaded: dict[str, Any] = {}

@@ -35,7 +35,8 @@ __all__ = ["ArtifactCache", "CacheEntry", "META_NAME", "ARTIFACT_SUFFIX"]
 META_NAME = "meta.json"
 ARTIFACT_SUFFIX = ".o"
 LOCK_NAME = ".lock"
-_STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+# An artifact name is a stage name (stored as <name>.o) or a file name with its own suffix (<stage>.so).
+_STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[a-z]+)?$")
 _ENTRY_RE = re.compile(r"^.+-[0-9a-f]{24}$")  # <slug>-<24 hex key>: what clean() may delete
 _ARCH_RE = re.compile(r"^sm_\d+[a-z]?$")
 _FILE_MODE = 0o644
@@ -92,6 +93,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def artifact_file(name: str) -> str:
+    """The file an artifact is stored in: ``<name>.o`` unless the name carries its own suffix."""
+    return name if "." in name else f"{name}{ARTIFACT_SUFFIX}"
+
+
 def _read_meta(path: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads((path / META_NAME).read_text())
@@ -132,7 +138,7 @@ class ArtifactCache:
         out: dict[str, Path] = {}
         for stage in stages:
             info = arts[stage]
-            path = entry / f"{stage}{ARTIFACT_SUFFIX}"
+            path = entry / artifact_file(stage)
             try:
                 if (
                     not isinstance(info, dict)
@@ -178,7 +184,7 @@ class ArtifactCache:
         out: dict[str, Path] = {}
         records: dict[str, dict[str, Any]] = {}
         for stage, data in artifacts.items():
-            path = entry / f"{stage}{ARTIFACT_SUFFIX}"
+            path = entry / artifact_file(stage)
             _atomic_write(path, data)
             out[stage] = path
             records[stage] = {

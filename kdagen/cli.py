@@ -285,7 +285,9 @@ def list_(specfiles: tuple[str, ...]) -> None:
         try:
             plan, key, _ = _describe(spec)
             stages = plan.stage_names if hasattr(plan, "stage_names") else [s.name for s in plan.stages]
-            cached = "yes" if cache.lookup(spec, key, stages) is not None else "no"
+            from kdagen.build import lookup_built
+
+            cached = "yes" if lookup_built(cache, spec, key, list(stages)) is not None else "no"
             family, reason = plan.family, plan.reason
         except Exception as e:  # a broken template must not hide the other rows
             family, reason, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"

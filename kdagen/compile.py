@@ -7,8 +7,11 @@ function); this module turns the table into fake tensors with symbolic dims, run
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,8 +111,55 @@ def compile_stage_file(path: Path, arch: str, extra_options: str = "") -> Compil
     return CompiledStage(path.stem, data, time.perf_counter() - start)
 
 
+def link_shared(object_bytes: bytes) -> bytes | None:
+    """Link an exported object into a shared library, or None when no C compiler is at hand.
+
+    A shared library loads through TVM-FFI alone (a few ms); the object needs the DSL's JIT linker, whose
+    import costs about a second. Undefined symbols resolve at load time against the DSL runtime library.
+    """
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        obj, lib = Path(tmp) / "stage.o", Path(tmp) / "stage.so"
+        obj.write_bytes(object_bytes)
+        done = subprocess.run([cc, "-shared", "-o", str(lib), str(obj)], capture_output=True, text=True)
+        return lib.read_bytes() if done.returncode == 0 and lib.is_file() else None
+
+
+def _runtime_library() -> Path | None:
+    # libcute_dsl_runtime.so of the installed libs flavour, found without importing cutlass (its import is
+    # the slow part of a first load). The flavour is the one the cache key records.
+    from kdagen.keys import toolchain_fingerprint
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    flavour = toolchain_fingerprint().get("cuda_flavour")
+    if spec is None or not spec.submodule_search_locations or not flavour:
+        return None
+    for root in spec.submodule_search_locations:
+        lib = Path(root) / flavour / "lib" / "libcute_dsl_runtime.so"
+        if lib.is_file():
+            return lib
+    return None
+
+
+_preloaded: set[Path] = set()
+
+
 def load_object(path: Path):
-    """Load an exported stage object; returns the raw positional-only ``tvm_ffi.Function``."""
+    """Load an exported stage (``.so`` fast path, else ``.o``); returns the raw ``tvm_ffi.Function``.
+
+    The function is positional-only and launches on TVM-FFI's environment stream.
+    """
+    shared = path.with_suffix(".so")
+    runtime = _runtime_library() if shared.is_file() else None
+    if runtime is not None:
+        import tvm_ffi
+
+        if runtime not in _preloaded:  # its symbols must be global before the stage library is opened
+            ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
+            _preloaded.add(runtime)
+        return tvm_ffi.load_module(str(shared))[EXPORT_FUNCTION]
     import cutlass.cute as cute
 
     return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), EXPORT_FUNCTION)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdagen.arch import get_arch
 from kdagen.spec import KernelSpec
 
 # The DSL numeric type names the templates use for each spec dtype.
@@ -55,6 +56,25 @@ def _common_params(spec: KernelSpec) -> dict[str, Any]:
     }
 
 
+def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
+    """CTAs of the prepare stage an SM should hold; the compiler caps registers to fit that many.
+
+    The stage is latency-bound (short dependent phases per warp), so occupancy is what makes it fast; shared
+    memory per CTA (four warps, each staging its own q, k, g tiles and small matrices) sets the ceiling.
+    """
+    k = spec.head_dim_k
+    g_bytes = 4 if spec.g_dtype == "fp32" else 2
+    per_warp = 2 * CHUNK * (k + 8) * 2  # q, k tiles (bf16/fp16, padded rows)
+    per_warp += CHUNK * (k + (4 if g_bytes == 4 else 8)) * g_bytes  # g tile; a 16-bit one also holds kr
+    per_warp += CHUNK * (k + 8) * 2 if g_bytes == 4 else 0  # kr, when it cannot share the g tile
+    per_warp += CHUNK * CHUNK * (4 + 4 + 2) + CHUNK * 4  # L, Mqk, P^T, beta
+    if not spec.safe_gate:
+        per_warp += 3 * CHUNK * k * 4  # fp32 k, q and b for the pairwise (anchored) path
+    per_cta = 4 * per_warp + 1024  # + the driver's reserve
+    capacity = get_arch(spec.arch).smem_bytes_per_block
+    return max(1, min(3, capacity // per_cta))
+
+
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     common = _common_params(spec)
@@ -69,6 +89,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": _DSL_DTYPE[spec.g_dtype],
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
+            "min_ctas_per_sm": _prepare_ctas_per_sm(spec),
         },
     )
     block_v = min(BLOCK_V, spec.head_dim_v)

@@ -67,7 +67,7 @@ def _sha(p: Path) -> str:
 
 
 def _assert_valid(root: Path, key: str, stages: list[str]) -> dict[str, Path]:
-    found = ArtifactCache(root).lookup(SPEC, key, stages)
+    found = kdagen.build.lookup_built(ArtifactCache(root), SPEC, key, stages)
     assert found is not None, f"the entry {_entry(root, key)} is not valid"
     return found
 
@@ -149,7 +149,8 @@ def test_corrupt_artifact_is_rebuilt(cache):
     mid = len(data) // 2
     data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])  # same size, different bytes
     art.write_bytes(bytes(data))
-    assert ArtifactCache(root).lookup(SPEC, res.key, res.stages) is None  # the damage is noticed
+    # the damage is noticed
+    assert kdagen.build.lookup_built(ArtifactCache(root), SPEC, res.key, res.stages) is None
 
     again = kdagen.build.build_variant(SPEC, name=NAME)
     assert again.cached is False
@@ -167,7 +168,7 @@ def test_missing_meta_is_rebuilt(cache):
     root, res = cache
     entry = _entry(root, res.key)
     (entry / "meta.json").unlink()
-    assert ArtifactCache(root).lookup(SPEC, res.key, res.stages) is None
+    assert kdagen.build.lookup_built(ArtifactCache(root), SPEC, res.key, res.stages) is None
 
     again = kdagen.build.build_variant(SPEC, name=NAME)
     assert again.cached is False
