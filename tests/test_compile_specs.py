@@ -116,6 +116,11 @@ def test_variant_compiles(built: dict[str, Built], cache_root: Path, vid: str, n
         assert size > 0, f"{vid}: empty artifact {p}"
         assert p.read_bytes()[:4] == b"\x7fELF", f"{vid}: {p.name} is not an ELF object"
         total += size
+        # With a C compiler on the build box (CI has one) each stage also ships as a shared library,
+        # the artifact a serving process loads without importing the DSL.
+        lib = p.with_suffix(".so")
+        assert lib.is_file() and lib.read_bytes()[:4] == b"\x7fELF", f"{vid}: missing shared library {lib}"
+        total += lib.stat().st_size
     assert res.artifact_bytes == total
 
     meta_path = entry / "meta.json"
@@ -125,7 +130,7 @@ def test_variant_compiles(built: dict[str, Built], cache_root: Path, vid: str, n
     assert meta["arch"] == spec.arch
     assert meta["slug"] == spec.slug()
     assert meta["spec"] == json.loads(spec.canonical_json())
-    assert meta["stages"] == res.stages
+    assert meta["stages"] == res.stages + [f"{stage}.so" for stage in res.stages]
     for stage in res.stages:
         data = res.paths[stage].read_bytes()
         assert meta["artifacts"][stage]["bytes"] == len(data)
