@@ -25,6 +25,7 @@ from pathlib import Path
 __all__ = [
     "ENV_CACHE_DIR",
     "ENV_DISABLE_JIT",
+    "ENV_INTRACARD_CP",
     "ENV_GENERATED_DIR",
     "package_dir",
     "repo_root",
@@ -41,6 +42,7 @@ __all__ = [
 ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
 ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
 ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
+ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -121,3 +123,16 @@ def find_spec_file(path: str | os.PathLike[str]) -> Path:
         if candidate.is_file():
             return candidate
     return p
+
+
+def intracard_cp() -> str | int:
+    """``KDAGEN_INTRACARD_CP``: "auto" (default: the runtime decides), "off", or a segment length in
+    tokens (a positive multiple of 16) that forces intra-card context parallelism with that length."""
+    value = os.environ.get(ENV_INTRACARD_CP, "").strip().lower() or "auto"
+    if value in ("auto", "off"):
+        return value
+    if value.isdigit() and int(value) > 0 and int(value) % 16 == 0:
+        return int(value)
+    raise ValueError(
+        f"{ENV_INTRACARD_CP}: expected 'auto', 'off' or a positive multiple of 16, got {value!r}"
+    )

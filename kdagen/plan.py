@@ -93,15 +93,21 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
     )
     block_v = min(BLOCK_V, spec.head_dim_v)
-    recurrence = StagePlan(
-        name="recurrence",
-        template=f"{family}/recurrence.py.j2",
-        params={
-            **common,
-            "block_v": block_v,
-            # Two stages hide one step's loads behind the previous step's math; each stage is ~15 KB at K=128.
-            "stages": 2,
-            "state_layout": spec.state_layout,
-        },
+    rec_params = {
+        **common,
+        "block_v": block_v,
+        # Two stages hide one step's loads behind the previous step's math; each is ~15 KB at K=128.
+        "stages": 2,
+        "state_layout": spec.state_layout,
+    }
+    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", {**rec_params, "mode": "seq"})
+    # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
+    # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass.
+    prescan = StagePlan("cp_prescan", f"{family}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
+    merge = StagePlan(
+        "cp_merge",
+        f"{family}/cp_merge.py.j2",
+        {k: rec_params[k] for k in ("head_dim_k", "head_dim_v", "block_v", "state_layout")},
     )
-    return Plan(family=family, reason=reason, stages=(prepare, recurrence))
+    segments = StagePlan("cp_segments", f"{family}/recurrence.py.j2", {**rec_params, "mode": "segment"})
+    return Plan(family=family, reason=reason, stages=(prepare, recurrence, prescan, merge, segments))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kdagen import paths
 from kdagen.errors import InputError
 from kdagen.plan import CHUNK, Plan
 from kdagen.spec import KernelSpec
@@ -77,6 +78,10 @@ class KDAKernel:
         self.name = name
         self._prepare = stages["prepare"]
         self._recurrence = stages["recurrence"]
+        self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
+        self._v_slices = spec.head_dim_v // next(
+            s.params["block_v"] for s in plan.stages if s.name == "recurrence"
+        )
         self._dummies: dict[tuple, torch.Tensor] = {}
         import tvm_ffi
 
@@ -89,7 +94,30 @@ class KDAKernel:
         k, v = self.spec.head_dim_k, self.spec.head_dim_v
         return (n, hv, k, v) if self.spec.state_layout == "kv" else (n, hv, v, k)
 
-    def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _cp_segment_len(self, nseq: int, total: int, hv: int, device: torch.device) -> int | None:
+        """Segment length for intra-card context parallelism, or None to run whole sequences.
+
+        Decided from host-known sizes only (no reading of cu_seqlens): worth it when the recurrence grid
+        (sequences x heads x V-slices) fills at most half the SMs and sequences are long on average. Then
+        sequences are cut into about (SMs / (heads x V-slices)) segments in all, of at least 1024 tokens, so
+        the segment pass fills the GPU; it costs about twice the serial work, in parallel (fast-kda.md §D).
+        """
+        policy = paths.intracard_cp()
+        if policy == "off":
+            return None
+        if isinstance(policy, int):
+            return policy
+        sms = self._cached(
+            ("sms", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
+        )
+        ctas = nseq * hv * self._v_slices
+        if 2 * ctas > sms or total < 4096 * nseq:
+            return None
+        segments = max(2, sms // (hv * self._v_slices))
+        seg = -(-total // segments)
+        return max(1024, -(-seg // CHUNK) * CHUNK)
+
+    def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> Any:
         # Constant helper tensors (zero gate parameters, unused state slots) are made once per device/shape,
         # so steady-state calls allocate only outputs and workspaces.
         t = self._dummies.get(key)
@@ -218,8 +246,19 @@ class KDAKernel:
         # order with surrounding torch work and are recorded by CUDA-graph capture.
         stream = torch.cuda.current_stream(device).cuda_stream
         ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
+        ht_arg = ht if ht is not None else unused
+        seg_len = self._cp_segment_len(nseq, total, hv, device)
         with self._ffi.use_raw_stream(ffi_device, stream):
             self._prepare(*args, cu, kd, qd, akt, aq, gt, float(scale))
-            self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht if ht is not None else unused, o,
-                             int(initial_state is not None), int(ht is not None))
+            if seg_len is None:
+                self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht_arg, o,
+                                 int(initial_state is not None), int(ht is not None))
+            else:
+                prescan, merge, segments = self._cp
+                slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles
+                cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
+                seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+                prescan(kd, qd, akt, aq, gt, v2, cu, cp_maps, seg_len)
+                merge(cp_maps, cu, h0, seg_h0, int(initial_state is not None), seg_len)
+                segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, o, seg_len, int(ht is not None))
         return o.view(bsz, seqlen, hv, vdim), ht

@@ -109,6 +109,30 @@ def test_padding_tokens_past_cu_seqlens_are_zero() -> None:
     assert_close("ht", ref_ht, ht, TOL)
 
 
+# Intra-card context parallelism: forced with short segments (KDAGEN_INTRACARD_CP=<tokens>) so that small
+# inputs exercise segment maps, merges across many segments, segments that end mid-tile, empty sequences
+# and the final state of the last segment; and once in "auto", where a long sequence with one head picks it.
+CP_CASES = [
+    ("lb_safe", cases.F(2, 1000, 2, init=True), 256),
+    ("lb_safe", cases.VL((0, 0, 1, 64, 65, 130, 700), 2, init=True), 64),
+    ("p_reset_vk_bbf16", cases.VL((0, 15, 100, 300, 1200), 2, init=True, mask_p=0.3, hard_reset=True), 128),
+    ("softplus", cases.F(1, 777, 1, init=True, mask_p=0.2, hard_reset=True), 48),
+    ("lb_safe_gva2_vk_bbf16", cases.F(1, 2048, 2, init=False), 512),
+    ("lb_safe_gva4_k64v64", cases.F(1, 1500, 1, init=True), 160),
+    ("lb_safe", cases.F(1, 8192, 1, init=True), "auto"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "case", "seg"), CP_CASES, ids=[f"{n}:{c.id}:cp{s}" for n, c, s in CP_CASES]
+)
+def test_intracard_cp(
+    spec_name: str, case: cases.Case, seg: int | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KDAGEN_INTRACARD_CP", str(seg))
+    _check_against_reference(spec_name, case)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
