@@ -1,0 +1,100 @@
+"""Per-step latency of the recurrence: how long one 16-token step of the serial state update takes.
+
+The recurrence is a chain of T/16 dependent steps per (sequence, head, V-slice), so its per-step latency
+bounds every long-sequence config (fast-kda.md §C.6). This times each stage's kernels with the CUDA profiler
+(device time, not host overhead) for one sequence of T tokens over a range of head counts, which moves the
+recurrence from one CTA per few SMs to several CTAs per SM, with intra-card context parallelism off and on.
+
+    python benchmarks/bench_step.py [--tokens 16384] [--heads 1 4 16 64 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+SPEC = {"arch": "sm_90a", "gate": "lower_bound", "lower_bound": -5.0, "safe_gate": True, "l2norm_qk": True,
+        "g_dtype": "bf16", "beta_dtype": "fp32", "state_layout": "kv"}
+
+
+def stage_times_ms(fn, iters: int) -> dict[str, float]:
+    """Mean device time per call of every kernel launched by ``fn``, keyed by a short stage name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_time_total <= 0:
+            continue
+        name = ev.key
+        for stage in ("prepare", "recurrence", "merge"):
+            if f"{stage}_kernel" in name:
+                name = stage
+        out[name] = out.get(name, 0.0) + ev.device_time_total / iters / 1000.0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, nargs="+", default=[1, 4, 16, 64, 128])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_step: no CUDA GPU visible; nothing to run")
+        return 2
+
+    import kdagen
+    from kdagen.reference import make_inputs
+
+    kernel = kdagen.get_kernel(SPEC)
+    steps = -(-args.tokens // 16)
+    rows = []
+    print(f"{torch.cuda.get_device_name()}: one sequence of {args.tokens} tokens ({steps} steps), K=V=128")
+    print(f"{'heads':>5} {'cp':>4} {'prepare ms':>11} {'recurrence ms':>14} {'merge ms':>9} {'us/step':>8}")
+    for heads in args.heads:
+        inp = make_inputs(1, args.tokens, heads, heads, 128, 128, dtype="bf16", beta_dtype="fp32",
+                          g_dtype="bf16", gate="lower_bound", safe_gate=True, lower_bound=-5.0, seed=0,
+                          device="cuda", cu_seqlens=[0, args.tokens])
+        kw = {"A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "cu_seqlens": inp["cu_seqlens"],
+              "output_final_state": True}
+        for cp in ("off", "auto"):
+            os.environ["KDAGEN_INTRACARD_CP"] = cp
+            def call(inp=inp, kw=kw):
+                return kernel(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+
+            t = stage_times_ms(call, args.iters)
+            rec, merge = t.get("recurrence", 0.0), t.get("merge", 0.0)
+            # Without CP the recurrence is the serial chain itself: its time per step is the step latency.
+            per_step = rec * 1000.0 / steps if cp == "off" else None
+            rows.append({"heads": heads, "cp": cp, "prepare_ms": t.get("prepare", 0.0),
+                         "recurrence_ms": rec, "merge_ms": merge, "us_per_step": per_step})
+            step_txt = f"{per_step:8.3f}" if per_step is not None else f"{'-':>8}"
+            print(f"{heads:>5} {cp:>4} {t.get('prepare', 0.0):11.3f} {rec:14.3f} {merge:9.3f} {step_txt}")
+    os.environ.pop("KDAGEN_INTRACARD_CP", None)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                                         "rows": rows}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
