@@ -15,6 +15,7 @@ Contract (what is validated, what is the caller's duty):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -99,8 +100,9 @@ class KDAKernel:
 
         Decided from host-known sizes only (no reading of cu_seqlens): worth it when the recurrence grid
         (sequences x heads x V-slices) fills at most half the SMs and sequences are long on average. Then
-        sequences are cut into about (SMs / (heads x V-slices)) segments in all, of at least 1024 tokens, so
-        the segment pass fills the GPU; it costs about twice the serial work, in parallel (fast-kda.md §D).
+        sequences are cut into segments of at least 1024 tokens, as many as fill the SMs in the segment pass
+        but not more than the merge chain repays; the passes cost about twice the serial work, in parallel
+        (fast-kda.md §D).
         """
         policy = paths.intracard_cp()
         if policy == "off":
@@ -113,8 +115,13 @@ class KDAKernel:
         ctas = nseq * hv * self._v_slices
         if 2 * ctas > sms or total < 4096 * nseq:
             return None
-        segments = max(2, sms // (hv * self._v_slices))
-        seg = -(-total // segments)
+        # Enough segments to fill the SMs in the segment pass, but no more than about sqrt(0.6 * steps): the
+        # merge walks the segments one after another (~2.4 us each on an H200), while the parallel passes
+        # cost ~2 x 0.75 us per step of one segment, and the sum of the two is least there.
+        steps = -(-total // (CHUNK * nseq))  # per sequence, on average
+        fill = max(1, sms // (hv * self._v_slices * nseq))  # segments per sequence that fill the SMs
+        segments = max(2, min(fill, round(math.sqrt(0.6 * steps))))
+        seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
 
     def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> Any:
