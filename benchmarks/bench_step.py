@@ -90,10 +90,29 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("KDAGEN_INTRACARD_CP", None)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens,
-                                         "rows": rows}, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        data = {"device": torch.cuda.get_device_name(), "tokens": args.tokens, "rows": rows}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        args.json.with_suffix(".md").write_text(markdown(data))
+        print(f"wrote {args.json} and {args.json.with_suffix('.md')}")
     return 0
+
+
+def markdown(data: dict) -> str:
+    """The result table as Markdown, committed next to the JSON."""
+    lines = [
+        f"# Recurrence per-step latency, {data['device']}", "",
+        f"One sequence of {data['tokens']} tokens ({-(-data['tokens'] // 16)} steps of 16 tokens), K=V=128, "
+        "bf16, headline spec; device time per call from the CUDA profiler (`benchmarks/bench_step.py`). "
+        "With `cp=off` the recurrence is the serial chain, so its time per step is the step latency; "
+        "`cp=auto` uses intra-card context parallelism where the runtime rule picks it "
+        "(recurrence = prescan + segment pass).", "",
+        "| heads | cp | prepare ms | recurrence ms | merge ms | us/step |", "|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        step = "-" if r["us_per_step"] is None else f"{r['us_per_step']:.3f}"
+        lines.append(f"| {r['heads']} | {r['cp']} | {r['prepare_ms']:.3f} | {r['recurrence_ms']:.3f} | "
+                     f"{r['merge_ms']:.3f} | {step} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

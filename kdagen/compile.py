@@ -8,6 +8,7 @@ function); this module turns the table into fake tensors with symbolic dims, run
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import shutil
@@ -127,6 +128,7 @@ def link_shared(object_bytes: bytes) -> bytes | None:
         return lib.read_bytes() if done.returncode == 0 and lib.is_file() else None
 
 
+@functools.cache
 def _runtime_library() -> Path | None:
     # libcute_dsl_runtime.so of the installed libs flavour, found without importing cutlass (its import is
     # the slow part of a first load). The flavour is the one the cache key records.
