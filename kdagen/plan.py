@@ -92,6 +92,9 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": _DSL_DTYPE[spec.g_dtype],
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
             "min_ctas_per_sm": _prepare_ctas_per_sm(spec),
+            # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the
+            # limit at 16 warps per SM).
+            "unroll_kb": 1,
         },
     )
     block_v = min(BLOCK_V, spec.head_dim_v)
