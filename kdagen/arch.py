@@ -27,6 +27,7 @@ class ArchInfo:
     has_wgmma: bool
     has_tcgen05: bool
     has_stmatrix: bool
+    has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
     num_sms_hint: int  # of the usual part (grid sizing heuristics only; the runtime asks the device)
     can_run_here: bool  # False: compiled and inspected only, no such GPU in this project
@@ -71,6 +72,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_wgmma=False,
             has_tcgen05=False,
             has_stmatrix=False,
+            has_pdl=False,
             smem_bytes_per_block=163 * 1024,  # 164 KB per SM, 163 KB per block with opt-in
             num_sms_hint=108,
             can_run_here=True,
@@ -87,6 +89,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_wgmma=False,
             has_tcgen05=False,
             has_stmatrix=False,
+            has_pdl=False,
             smem_bytes_per_block=99 * 1024,  # 100 KB per SM, 99 KB per block with opt-in
             num_sms_hint=142,
             can_run_here=True,
@@ -103,6 +106,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_wgmma=True,
             has_tcgen05=False,
             has_stmatrix=True,
+            has_pdl=True,
             smem_bytes_per_block=227 * 1024,
             num_sms_hint=132,
             can_run_here=True,
@@ -119,6 +123,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_wgmma=False,
             has_tcgen05=True,
             has_stmatrix=True,
+            has_pdl=True,
             smem_bytes_per_block=227 * 1024,
             num_sms_hint=148,
             can_run_here=False,

@@ -43,6 +43,7 @@ ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
 ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
 ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
 ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
+ENV_OVERLAP = "KDAGEN_OVERLAP"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -136,3 +137,13 @@ def intracard_cp() -> str | int:
     raise ValueError(
         f"{ENV_INTRACARD_CP}: expected 'auto', 'off' or a positive multiple of 16, got {value!r}"
     )
+
+
+def overlap() -> str:
+    """``KDAGEN_OVERLAP``: "auto" (default: the recurrence runs beside prepare when its grid fits one CTA per
+    SM), "on" (always, except under intra-card context parallelism) or "off" (the recurrence starts after
+    prepare ends)."""
+    value = os.environ.get(ENV_OVERLAP, "").strip().lower() or "auto"
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV_OVERLAP}: expected 'auto', 'on' or 'off', got {value!r}")
+    return value

@@ -80,6 +80,10 @@ def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     common = _common_params(spec)
+    ctas = _prepare_ctas_per_sm(spec)
+    # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
+    # the recurrence starts when prepare ends, and the ready flags are then always set.
+    pdl = get_arch(spec.arch).has_pdl
     prepare = StagePlan(
         name="prepare",
         template=f"{family}/prepare.py.j2",
@@ -91,7 +95,15 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": _DSL_DTYPE[spec.g_dtype],
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
-            "min_ctas_per_sm": _prepare_ctas_per_sm(spec),
+            # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
+            "ctas_per_sm": ctas,
+            # ... and when the recurrence runs beside it: one fewer, which leaves an SM the shared memory of
+            # one recurrence CTA (~31 KB) ...
+            "overlap_ctas_per_sm": max(1, ctas - 1) if pdl else ctas,
+            # ... and its registers (~168 x 128 threads, as many as 1.3 prepare CTAs at 128): registers are
+            # capped for one CTA more than fit alone (96 a thread at four CTAs; ptxas spills ~48 bytes).
+            "min_ctas_per_sm": ctas + 1 if pdl else ctas,
+            "pdl": pdl,
             # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the
             # limit at 16 warps per SM).
             "unroll_kb": 1,
@@ -105,7 +117,10 @@ def make_plan(spec: KernelSpec) -> Plan:
         "stages": 2,
         "state_layout": spec.state_layout,
     }
-    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", {**rec_params, "mode": "seq"})
+    # The recurrence runs beside prepare (programmatic dependent launch, per-tile ready flags) and checks the
+    # flags of 8 steps at once: one flag wait (an L2 round trip on the serial chain) per 8 steps.
+    seq_params = {**rec_params, "mode": "seq", "ready_group": 8, "pdl": pdl}
+    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params)
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass.
     prescan = StagePlan("cp_prescan", f"{family}/recurrence.py.j2", {**rec_params, "mode": "prescan"})

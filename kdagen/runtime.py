@@ -80,9 +80,10 @@ class KDAKernel:
         self._prepare = stages["prepare"]
         self._recurrence = stages["recurrence"]
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
-        self._v_slices = spec.head_dim_v // next(
-            s.params["block_v"] for s in plan.stages if s.name == "recurrence"
-        )
+        params = {s.name: s.params for s in plan.stages}
+        self._v_slices = spec.head_dim_v // params["recurrence"]["block_v"]
+        # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
+        self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
         self._dummies: dict[tuple, torch.Tensor] = {}
         import tvm_ffi
 
@@ -111,9 +112,7 @@ class KDAKernel:
             return None
         if isinstance(policy, int):
             return policy
-        sms = self._cached(
-            ("sms", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
-        )
+        sms = self._sm_count(device)
         ctas = nseq * hv * self._v_slices
         if 4 * ctas > sms or total < 4096 * nseq:
             return None
@@ -125,6 +124,11 @@ class KDAKernel:
         segments = max(2, min(fill, round(math.sqrt(0.6 * steps))))
         seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
+
+    def _sm_count(self, device: torch.device) -> int:
+        return self._cached(
+            ("sms", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
+        )
 
     def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> Any:
         # Constant helper tensors (zero gate parameters, unused state slots) are made once per device/shape,
@@ -237,6 +241,9 @@ class KDAKernel:
         akt = torch.empty_like(kd)
         aq = torch.empty((total, hv, CHUNK), dtype=dt, device=device)
         gt = torch.empty((num_tile_slots, hv, kdim), dtype=torch.float32, device=device)
+        # Per (tile, value head): set by prepare once the tile's outputs are written; the recurrence, which
+        # may start while prepare still runs, waits on them. Zeroed here, before prepare (one memset).
+        ready = torch.zeros((num_tile_slots, hv), dtype=torch.int32, device=device)
 
         args = [q2, k2, g2, b2]
         if spec.gate != "precomputed":
@@ -257,10 +264,20 @@ class KDAKernel:
         ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
         ht_arg = ht if ht is not None else unused
         seg_len = self._cp_segment_len(nseq, total, hv, device)
+        # Prepare is a persistent grid (every CTA resident at once). When the recurrence grid fits one CTA per
+        # SM, prepare takes one CTA fewer per SM and lets the recurrence start at once beside it (it follows
+        # the ready flags); otherwise the recurrence starts when prepare ends, as a plain launch would.
+        sms = self._sm_count(device)
+        policy = paths.overlap()
+        beside = seg_len is None and (
+            policy == "on" or (policy == "auto" and nseq * hv * self._v_slices <= sms)
+        )
+        items = num_tile_slots * -(-hv // 4)
+        prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
         with self._ffi.use_raw_stream(ffi_device, stream):
-            self._prepare(*args, cu, kd, qd, akt, aq, gt, float(scale))
+            self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, int(beside))
             if seg_len is None:
-                self._recurrence(kd, qd, akt, aq, gt, v2, cu, h0, ht_arg, o,
+                self._recurrence(kd, qd, akt, aq, gt, v2, cu, ready, h0, ht_arg, o,
                                  int(initial_state is not None), int(ht is not None))
             else:
                 prescan, merge, segments = self._cp
