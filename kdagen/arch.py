@@ -57,6 +57,12 @@ FAMILIES: dict[str, FamilyInfo] = {
         head_dims=(64, 128),
         description="portable: warp-level mma.sync, cp.async, ldmatrix",
     ),
+    "wgmma": FamilyInfo(
+        name="wgmma",
+        chunk_sizes=(16,),
+        head_dims=(64, 128),
+        description="Hopper: warpgroup-MMA recurrence fed by TMA (prepare, intra-card CP stages: mma_sync)",
+    ),
 }
 
 ARCHS: dict[str, ArchInfo] = {
@@ -101,7 +107,8 @@ ARCHS: dict[str, ArchInfo] = {
             sm=90,
             capability=(9, 0),
             gpus="H100/H200",
-            families=("mma_sync",),
+            # wgmma first: its recurrence is the faster one (plan._AUTO_REASONS has the numbers)
+            families=("wgmma", "mma_sync"),
             has_tma=True,
             has_wgmma=True,
             has_tcgen05=False,

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 Arch = Literal["sm_80", "sm_89", "sm_90a", "sm_100a"]
-Family = Literal["auto", "mma_sync"]
+Family = Literal["auto", "mma_sync", "wgmma"]
 HeadDim = Literal[64, 128]
 GvaRatio = Literal[1, 2, 4, 8]
 Gate = Literal["precomputed", "softplus", "lower_bound"]

@@ -4,7 +4,8 @@ design.md "Testing": compile-only of every variant for its target. Each variant 
 `kdagen.build.build_variant` (spec -> plan -> render -> key -> cute.compile -> cache) into a temp cache; the
 checks are parametrized per variant ("file:name"), so a failure names the variant. A second pass checks that
 the cache answers without compiling, and two variants are compiled again with ``--keep-ptx`` to read the PTX:
-the target must be the spec's, and the mma_sync family must use warp MMAs only (no wgmma, no tcgen05).
+the target must be the spec's, the stages of mma_sync templates must use warp MMAs only (no wgmma, no
+tcgen05), and the wgmma recurrence must run on warpgroup MMAs fed by TMA.
 """
 
 from __future__ import annotations
@@ -204,10 +205,12 @@ def _ptx_of(src: Path, stage: str, arch: str, dump: Path) -> str:
 
 @pytest.mark.parametrize("file_name,arch", PTX_CASES, ids=[a for _, a in PTX_CASES])
 def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
-    """Each stage's PTX: ``.target <arch>``, warp MMAs only, exactly the MMA atoms its source declares."""
+    """Each stage's PTX: ``.target <arch>`` and exactly the warp-MMA atoms its source declares; no wgmma or
+    tcgen05 in mma_sync templates; the wgmma recurrence on warpgroup MMAs and TMA."""
     vid, spec = _first_variant(file_name, arch)
     plan, rendered, _key, _parts = kdagen.build.describe(spec)
-    assert plan.family == "mma_sync"
+    assert plan.family == ("wgmma" if arch == "sm_90a" else "mma_sync")
+    templates = {st.name: st.template for st in plan.stages}
     src = tmp_path / "src" / spec.slug()
     src.mkdir(parents=True)
     for fname, text in rendered.items():
@@ -217,8 +220,13 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
         ptx = _ptx_of(src, stage, arch, tmp_path / f"dump-{stage}")
         targets = re.findall(r"^\.target\s+(\S+)", ptx, flags=re.M)
         assert targets == [arch], f"{vid} {stage}: .target lines {targets}, expected [{arch}]"
-        for forbidden in ("wgmma", "tcgen05"):
-            assert forbidden not in ptx, f"{vid} {stage}: PTX contains {forbidden} (mma_sync family)"
+        assert "tcgen05" not in ptx, f"{vid} {stage}: PTX contains tcgen05"
+        if templates[stage].startswith("wgmma/"):
+            wg = "wgmma.mma_async.sync.aligned"
+            for needed in (f"{wg}.m64n16k16.f32", f"{wg}.m64n{spec.head_dim_k}k16", "cp.async.bulk.tensor"):
+                assert needed in ptx, f"{vid} {stage}: PTX lacks {needed} (wgmma family)"
+        else:
+            assert "wgmma" not in ptx, f"{vid} {stage}: PTX contains wgmma (mma_sync template)"
         found = set(_MMA_RE.findall(ptx))
         expected = _expected_mmas(rendered[f"{stage}.py"])
         print(f"{vid} {stage} ({arch}): {sorted(found)}")

@@ -173,11 +173,19 @@ def test_arch_records():
 
 
 def test_capabilities_refuse_chunk_size_for_mma_sync():
-    spec = BASE.replace(chunk_size=64)  # structurally valid: another family may support it one day
+    spec = BASE.replace(chunk_size=64, family="mma_sync")  # structurally valid: a family may take it one day
     msg = _err(validate_capabilities, spec, source="specs/sm90.yaml", variant="c64")
     assert msg.startswith("specs/sm90.yaml: variant 'c64': field 'chunk_size': the mma_sync family supports ")
     assert "chunk_size 16 only, got 64" in msg
     validate_capabilities(BASE)
+
+
+def test_capabilities_auto_names_every_family_tried():
+    msg = _err(validate_capabilities, BASE.replace(chunk_size=64), source="specs/sm90.yaml", variant="c64")
+    lines = msg.splitlines()
+    families = [line.split("field 'chunk_size': the ")[1].split(" family")[0] for line in lines]
+    assert families == ["wgmma", "mma_sync"]
+    assert all(line.endswith("(family 'auto' on sm_90a tried wgmma, mma_sync)") for line in lines)
 
 
 def test_capabilities_refuse_family_not_available(monkeypatch: pytest.MonkeyPatch):
@@ -255,8 +263,10 @@ def test_file_reports_every_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         load_spec_file(path)
     assert ei.value.problems == [
         "specs/sm90.yaml: variant 'a': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3",
+        "specs/sm90.yaml: variant 'b': field 'chunk_size': the wgmma family supports chunk_size 16 only, "
+        "got 64 (family 'auto' on sm_90a tried wgmma, mma_sync)",
         "specs/sm90.yaml: variant 'b': field 'chunk_size': the mma_sync family supports chunk_size 16 only, "
-        "got 64 (family 'auto' on sm_90a tried mma_sync)",
+        "got 64 (family 'auto' on sm_90a tried wgmma, mma_sync)",
         "specs/sm90.yaml: variant 'a': duplicate name (first at variant #1)",
     ]
 
