@@ -26,6 +26,7 @@ __all__ = [
     "ENV_CACHE_DIR",
     "ENV_DISABLE_JIT",
     "ENV_INTRACARD_CP",
+    "ENV_OVERLAP",
     "ENV_GENERATED_DIR",
     "package_dir",
     "repo_root",
@@ -37,6 +38,8 @@ __all__ = [
     "cache_dir",
     "jit_disabled",
     "find_spec_file",
+    "intracard_cp",
+    "overlap",
 ]
 
 ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"

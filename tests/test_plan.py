@@ -1,0 +1,80 @@
+"""Planner choices that the runtime and templates rely on (CPU only): family per target, which template each
+stage of a family uses, and the prepare-beside-recurrence parameters; plus the runtime policy variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdagen import paths
+from kdagen.plan import make_plan
+from kdagen.spec import KernelSpec
+
+
+def _templates(spec: KernelSpec) -> dict[str, str]:
+    return {s.name: s.template for s in make_plan(spec).stages}
+
+
+def test_sm90a_auto_is_wgmma_with_shared_stages():
+    plan = make_plan(KernelSpec(arch="sm_90a"))
+    assert plan.family == "wgmma"
+    assert "mma_sync" in plan.reason  # says what the shared stages are
+    assert _templates(KernelSpec(arch="sm_90a")) == {
+        "prepare": "mma_sync/prepare.py.j2",
+        "recurrence": "wgmma/recurrence.py.j2",
+        "cp_prescan": "mma_sync/recurrence.py.j2",
+        "cp_merge": "mma_sync/cp_merge.py.j2",
+        "cp_segments": "mma_sync/recurrence.py.j2",
+    }
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100a"])
+def test_other_targets_are_mma_sync(arch: str):
+    plan = make_plan(KernelSpec(arch=arch))
+    assert plan.family == "mma_sync"
+    assert all(t.startswith("mma_sync/") for t in _templates(KernelSpec(arch=arch)).values())
+
+
+def test_mma_sync_selectable_on_sm90a():
+    spec = KernelSpec(arch="sm_90a", family="mma_sync")
+    assert make_plan(spec).family == "mma_sync"
+    assert _templates(spec)["recurrence"] == "mma_sync/recurrence.py.j2"
+
+
+@pytest.mark.parametrize(("arch", "pdl"), [("sm_80", False), ("sm_90a", True), ("sm_100a", True)])
+def test_prepare_leaves_room_for_the_recurrence_only_with_pdl(arch: str, pdl: bool):
+    plan = make_plan(KernelSpec(arch=arch))
+    prep = next(s for s in plan.stages if s.name == "prepare").params
+    rec = next(s for s in plan.stages if s.name == "recurrence").params
+    assert prep["pdl"] is pdl and rec["pdl"] is pdl
+    if pdl:  # registers for one CTA more than shared memory allows; one CTA fewer beside the recurrence
+        assert prep["min_ctas_per_sm"] == prep["ctas_per_sm"] + 1
+        assert prep["overlap_ctas_per_sm"] == max(1, prep["ctas_per_sm"] - 1)
+    else:
+        assert prep["min_ctas_per_sm"] == prep["ctas_per_sm"] == prep["overlap_ctas_per_sm"]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("", "auto"), ("AUTO", "auto"), ("on", "on"), (" off ", "off")]
+)
+def test_overlap_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str):
+    monkeypatch.setenv(paths.ENV_OVERLAP, value)
+    assert paths.overlap() == expected
+
+
+def test_overlap_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(paths.ENV_OVERLAP, "yes")
+    with pytest.raises(ValueError, match="KDAGEN_OVERLAP: expected 'auto', 'on' or 'off', got 'yes'"):
+        paths.overlap()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("off", "off"), ("1024", 1024)])
+def test_intracard_cp_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str | int):
+    monkeypatch.setenv(paths.ENV_INTRACARD_CP, value)
+    assert paths.intracard_cp() == expected
+
+
+@pytest.mark.parametrize("value", ["100", "-16", "many"])
+def test_intracard_cp_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch, value: str):
+    monkeypatch.setenv(paths.ENV_INTRACARD_CP, value)
+    with pytest.raises(ValueError, match="KDAGEN_INTRACARD_CP: expected"):
+        paths.intracard_cp()
