@@ -7,7 +7,8 @@ Contract (what is validated, what is the caller's duty):
 - cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,
   non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the
   caller's duty, because reading them would synchronise with the GPU (`validate_cu_seqlens` does that
-  check on request).
+  check on request). Invalid device-resident values give undefined results, and since the recurrence waits
+  on per-tile flags that prepare raises, a call with values past the tokens of q may not return.
   Tokens past cu_seqlens[-1] get o = 0.
 - initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
 - No host-device synchronisation, so a call can be captured in a CUDA graph.
