@@ -17,6 +17,8 @@ _DSL_DTYPE = {"bf16": "BFloat16", "fp16": "Float16", "fp32": "Float32"}
 # Tokens per recurrence step. 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range
 # under the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
 CHUNK = 16
+# Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it).
+PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
@@ -89,7 +91,7 @@ def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
     per_warp += CHUNK * 16 * g_bytes + CHUNK * 4  # a block of g, beta
     if not spec.safe_gate:
         per_warp += 3 * CHUNK * k * 4  # fp32 k, q and b for the pairwise (anchored) path
-    per_cta = 4 * per_warp + 1024  # + the driver's reserve
+    per_cta = PREPARE_HEADS_PER_CTA * per_warp + 1024  # + the driver's reserve
     capacity = get_arch(spec.arch).smem_bytes_per_block
     return max(1, min(4, capacity // per_cta))
 
@@ -115,13 +117,15 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": _DSL_DTYPE[spec.g_dtype],
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
+            "heads_per_cta": PREPARE_HEADS_PER_CTA,
             # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
             "ctas_per_sm": ctas,
             # ... and when the recurrence runs beside it: one fewer, which leaves an SM the shared memory of
-            # one recurrence CTA (~31 KB) ...
+            # one recurrence CTA (~31 KB mma_sync, ~48 KB wgmma) ...
             "overlap_ctas_per_sm": max(1, ctas - 1) if pdl else ctas,
-            # ... and its registers (~168 x 128 threads, as many as 1.3 prepare CTAs at 128): registers are
-            # capped for one CTA more than fit alone (96 a thread at four CTAs; ptxas spills ~48 bytes).
+            # ... and its registers (mma_sync 162 x 128 threads, wgmma 143 x 160: more than one prepare CTA
+            # at 128): registers are capped for one CTA more than fit alone (96 a thread at four CTAs; ptxas
+            # spills ~48 bytes).
             "min_ctas_per_sm": ctas + 1 if pdl else ctas,
             "pdl": pdl,
             # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the

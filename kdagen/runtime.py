@@ -85,6 +85,7 @@ class KDAKernel:
         self._v_slices = spec.head_dim_v // params["recurrence"]["block_v"]
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
+        self._prepare_heads_per_cta = params["prepare"]["heads_per_cta"]
         self._dummies: dict[tuple, torch.Tensor] = {}
         import tvm_ffi
 
@@ -97,7 +98,7 @@ class KDAKernel:
         k, v = self.spec.head_dim_k, self.spec.head_dim_v
         return (n, hv, k, v) if self.spec.state_layout == "kv" else (n, hv, v, k)
 
-    def _cp_segment_len(self, nseq: int, total: int, hv: int, device: torch.device) -> int | None:
+    def _cp_segment_len(self, nseq: int, total: int, rec_ctas: int, sms: int) -> int | None:
         """Segment length for intra-card context parallelism, or None to run whole sequences.
 
         Decided from host-known sizes only (no reading of cu_seqlens): worth it when the recurrence grid
@@ -113,15 +114,13 @@ class KDAKernel:
             return None
         if isinstance(policy, int):
             return policy
-        sms = self._sm_count(device)
-        ctas = nseq * hv * self._v_slices
-        if 4 * ctas > sms or total < 4096 * nseq:
+        if 4 * rec_ctas > sms or total < 4096 * nseq:
             return None
         # Enough segments to fill the SMs in the segment pass, but no more than about sqrt(0.6 * steps): the
         # merge walks the segments one after another (~2.4 us each on an H200), while the parallel passes
         # cost ~2 x 0.75 us per step of one segment, and the sum of the two is least there.
         steps = -(-total // (CHUNK * nseq))  # per sequence, on average
-        fill = max(1, sms // (hv * self._v_slices * nseq))  # segments per sequence that fill the SMs
+        fill = max(1, sms // rec_ctas)  # segments per sequence that fill the SMs
         segments = max(2, min(fill, round(math.sqrt(0.6 * steps))))
         seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
@@ -264,16 +263,15 @@ class KDAKernel:
         stream = torch.cuda.current_stream(device).cuda_stream
         ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
         ht_arg = ht if ht is not None else unused
-        seg_len = self._cp_segment_len(nseq, total, hv, device)
+        sms = self._sm_count(device)
+        rec_ctas = nseq * hv * self._v_slices  # the recurrence grid (sequences x heads x V-slices)
+        seg_len = self._cp_segment_len(nseq, total, rec_ctas, sms)
         # Prepare is a persistent grid (every CTA resident at once). When the recurrence grid fits one CTA per
         # SM, prepare takes one CTA fewer per SM and lets the recurrence start at once beside it (it follows
         # the ready flags); otherwise the recurrence starts when prepare ends, as a plain launch would.
-        sms = self._sm_count(device)
         policy = paths.overlap()
-        beside = seg_len is None and (
-            policy == "on" or (policy == "auto" and nseq * hv * self._v_slices <= sms)
-        )
-        items = num_tile_slots * -(-hv // 4)
+        beside = seg_len is None and (policy == "on" or (policy == "auto" and rec_ctas <= sms))
+        items = num_tile_slots * -(-hv // self._prepare_heads_per_cta)
         prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
         with self._ffi.use_raw_stream(ffi_device, stream):
             self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, int(beside))
