@@ -96,6 +96,31 @@ def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
     return max(1, min(4, capacity // per_cta))
 
 
+# Registers of the sequence-mode recurrence CTA, as ptxas reports them for the generated sm_90a code at
+# K=V=128 (rounded up to the allocation unit of 8), and its warps. The planner needs them before anything is
+# compiled to size prepare beside it; a template change that grows past them must update these.
+_RECURRENCE_CTA = {"mma_sync": (4, 168), "wgmma": (5, 144)}  # (warps, registers a thread)
+# A CTA's warps are spread over an SM's four sub-partitions and take their registers from that sub-partition's
+# file (16384 of them), so what must fit is the busiest sub-partition, not the SM total.
+_SUBPARTITIONS, _SUBPARTITION_REGS = 4, 16384
+
+
+def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
+    """Prepare CTAs per SM that leave room for one recurrence CTA on the same SM.
+
+    By SM totals, three prepare CTAs (96 registers x 128 threads each) and one wgmma recurrence CTA (144 x
+    160) fit in 65536 registers; by sub-partition they do not: the recurrence's fifth warp (its TMA producer)
+    shares a sub-partition with a consumer warp, 2 x 144 x 32 + 3 x 96 x 32 = 18432 > 16384, and the block
+    scheduler keeps the recurrence waiting until prepare ends (H200, 2026-11-26: the recurrence of B=1 T=16384
+    started at 0.83 ms with three prepare CTAs per SM, at 0.02 ms with two; 1.23 ms end to end against 1.75).
+    """
+    warps, regs = _RECURRENCE_CTA[family]
+    rec_busiest = -(-warps // _SUBPARTITIONS) * regs * 32
+    prep_per_cta = -(-PREPARE_HEADS_PER_CTA // _SUBPARTITIONS) * prepare_regs * 32
+    fit = (_SUBPARTITION_REGS - rec_busiest) // prep_per_cta
+    return max(1, min(ctas - 1, fit))
+
+
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     common = _common_params(spec)
@@ -103,6 +128,9 @@ def make_plan(spec: KernelSpec) -> Plan:
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
     # the recurrence starts when prepare ends, and the ready flags are then always set.
     pdl = get_arch(spec.arch).has_pdl
+    # Prepare's register cap (the compiler's, from min_ctas_per_sm below): 65536 over 128 threads per CTA,
+    # rounded down to the allocation unit of 8.
+    prepare_regs = min(255, 65536 // (32 * PREPARE_HEADS_PER_CTA * (ctas + 1 if pdl else ctas))) // 8 * 8
     # Templates of the stages both families share (prepare, intra-card CP): the wgmma family differs in the
     # recurrence only.
     shared = "mma_sync"
@@ -120,12 +148,12 @@ def make_plan(spec: KernelSpec) -> Plan:
             "heads_per_cta": PREPARE_HEADS_PER_CTA,
             # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
             "ctas_per_sm": ctas,
-            # ... and when the recurrence runs beside it: one fewer, which leaves an SM the shared memory of
-            # one recurrence CTA (~31 KB mma_sync, ~48 KB wgmma) ...
-            "overlap_ctas_per_sm": max(1, ctas - 1) if pdl else ctas,
-            # ... and its registers (mma_sync 162 x 128 threads, wgmma 143 x 160: more than one prepare CTA
-            # at 128): registers are capped for one CTA more than fit alone (96 a thread at four CTAs; ptxas
-            # spills ~48 bytes).
+            # ... and when the recurrence runs beside it: fewer, which leave an SM the shared memory of one
+            # recurrence CTA (~31 KB mma_sync, ~48 KB wgmma) and its registers (one prepare CTA fewer for
+            # mma_sync, two for wgmma: `_prepare_ctas_beside`) ...
+            "overlap_ctas_per_sm": _prepare_ctas_beside(family, ctas, prepare_regs) if pdl else ctas,
+            # ... for which registers are capped for one CTA more than fit alone (96 a thread at four CTAs;
+            # ptxas spills ~48 bytes).
             "min_ctas_per_sm": ctas + 1 if pdl else ctas,
             "pdl": pdl,
             # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the

@@ -16,6 +16,7 @@ Contract (what is validated, what is the caller's duty):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -29,20 +30,26 @@ from kdagen.spec import KernelSpec
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALIGN = 16  # bytes; the stages are compiled for 16-byte aligned tensors
+# TVM-FFI takes the launch stream from torch itself when torch offers the DLPack C exchange API.
+_TORCH_SETS_FFI_STREAM = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 
 
-def _need(cond: bool, msg: str) -> None:
+def _need(cond: bool, msg: str | Callable[[], str]) -> None:
+    # Messages that format values are passed as lambdas: a call checks ~30 conditions, and formatting every
+    # message up front cost more host time than the launches (H200 host, B=1 T=512).
     if not cond:
-        raise InputError(msg)
+        raise InputError(msg() if callable(msg) else msg)
 
 
 def _check_tensor(
     name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
 ) -> None:
-    _need(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _need(t.dtype == dtype, f"{name}: expected dtype {dtype}, got {t.dtype}")
-    _need(t.device == device, f"{name}: expected a tensor on {device} (where q is), got {t.device}")
-    _need(tuple(t.shape) == shape, f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape and t.device == device:
+        return
+    _need(isinstance(t, torch.Tensor), lambda: f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype == dtype, lambda: f"{name}: expected dtype {dtype}, got {t.dtype}")
+    _need(t.device == device, lambda: f"{name}: expected a tensor on {device} (where q is), got {t.device}")
+    _need(tuple(t.shape) == shape, lambda: f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +63,7 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = Non
     """Check the values of ``cu_seqlens`` (reads them on the host: synchronises if they live on a GPU)."""
     vals = cu_seqlens.detach().to("cpu", torch.int64)
     _need(vals.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
-    _need(int(vals[0]) == 0, f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(vals[0])}")
+    _need(int(vals[0]) == 0, lambda: f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(vals[0])}")
     steps = vals[1:] - vals[:-1]
     if steps.numel() and int(steps.min()) < 0:
         bad = int(torch.nonzero(steps < 0)[0, 0])
@@ -67,7 +74,7 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = Non
     if total_tokens is not None:
         _need(
             int(vals[-1]) <= total_tokens,
-            f"cu_seqlens: last value {int(vals[-1])} exceeds the {total_tokens} tokens of q",
+            lambda: f"cu_seqlens: last value {int(vals[-1])} exceeds the {total_tokens} tokens of q",
         )
 
 
@@ -158,20 +165,20 @@ class KDAKernel:
         dt = _TORCH_DTYPE[spec.dtype]
 
         # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
-        _need(isinstance(q, torch.Tensor), f"q: expected a torch.Tensor, got {type(q).__name__}")
-        _need(q.dim() == 4, f"q: expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+        _need(isinstance(q, torch.Tensor), lambda: f"q: expected a torch.Tensor, got {type(q).__name__}")
+        _need(q.dim() == 4, lambda: f"q: expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
         device = q.device
-        _need(device.type == "cuda", f"q: expected a CUDA tensor, got device {device}")
+        _need(device.type == "cuda", lambda: f"q: expected a CUDA tensor, got device {device}")
         bsz, seqlen, nh, kq = q.shape
-        _need(kq == kdim, f"q: expected head dim K={kdim} (the spec's head_dim_k), got {kq}")
-        _need(q.dtype == dt, f"q: expected dtype {dt} (the spec's dtype {spec.dtype}), got {q.dtype}")
+        _need(kq == kdim, lambda: f"q: expected head dim K={kdim} (the spec's head_dim_k), got {kq}")
+        _need(q.dtype == dt, lambda: f"q: expected dtype {dt} (the spec's dtype {spec.dtype}), got {q.dtype}")
         _check_tensor("k", k, dt, (bsz, seqlen, nh, kdim), device)
         _need(isinstance(v, torch.Tensor) and v.dim() == 4,
-              f"v: expected 4 dims [B, T, HV, V], got {getattr(v, 'shape', v)}")
+              lambda: f"v: expected 4 dims [B, T, HV, V], got {getattr(v, 'shape', v)}")
         hv = v.shape[2]
         _need(hv % nh == 0 and hv // nh == spec.gva_ratio,
-              f"v: expected HV = gva_ratio * H = {spec.gva_ratio} * {nh} = {spec.gva_ratio * nh} value heads "
-              f"(HV must be a multiple of H), got HV={hv}")
+              lambda: f"v: expected HV = gva_ratio * H = {spec.gva_ratio} * {nh} = {spec.gva_ratio * nh} "
+              f"value heads (HV must be a multiple of H), got HV={hv}")
         _check_tensor("v", v, dt, (bsz, seqlen, hv, vdim), device)
         _check_tensor("g", g, _TORCH_DTYPE[spec.g_dtype], (bsz, seqlen, hv, kdim), device)
         _check_tensor("beta", beta, _TORCH_DTYPE[spec.beta_dtype], (bsz, seqlen, hv), device)
@@ -183,10 +190,10 @@ class KDAKernel:
             _need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1,
                   "cu_seqlens: expected a 1-D tensor [N+1]")
             _need(cu_seqlens.dtype in (torch.int32, torch.int64),
-                  f"cu_seqlens: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+                  lambda: f"cu_seqlens: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
             _need(cu_seqlens.device == device or cu_seqlens.device.type == "cpu",
-                  f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
-            _need(bsz == 1, f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
+                  lambda: f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
+            _need(bsz == 1, lambda: f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
             _need(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
             if cu_seqlens.device.type == "cpu":
                 validate_cu_seqlens(cu_seqlens, total)
@@ -199,7 +206,7 @@ class KDAKernel:
                 _check_tensor("A_log", A_log, torch.float32, (hv,), device)
             if dt_bias is not None:
                 _need(isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == hv * kdim,
-                      f"dt_bias: expected {hv * kdim} elements ([HV*K] or [HV, K]), got "
+                      lambda: f"dt_bias: expected {hv * kdim} elements ([HV*K] or [HV, K]), got "
                       f"{list(getattr(dt_bias, 'shape', []))}")
                 _check_tensor("dt_bias", dt_bias, torch.float32, tuple(dt_bias.shape), device)
         else:
@@ -210,16 +217,15 @@ class KDAKernel:
         if scale is None:
             scale = kdim ** -0.5
 
-        # ---- outputs; nothing to launch for empty inputs ----
-        # Tokens past cu_seqlens[-1] (engine padding) get o = 0 from the recurrence stage itself.
-        o = torch.empty((total, hv, vdim), dtype=dt, device=device)
-        ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
-            if output_final_state else None
+        # ---- nothing to launch for empty inputs ----
         if total == 0 or nseq == 0:
-            o.zero_()
-            if ht is not None:
-                ht.copy_(initial_state) if initial_state is not None else ht.zero_()
-            return o.view(bsz, seqlen, hv, vdim), ht
+            o = torch.zeros((bsz, seqlen, hv, vdim), dtype=dt, device=device)
+            ht = None
+            if output_final_state:
+                ht = torch.zeros(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
+                if initial_state is not None:
+                    ht.copy_(initial_state)
+            return o, ht
 
         if cu_seqlens is None:
             cu = self._cached(("cu", device, bsz, seqlen), lambda: torch.arange(
@@ -236,9 +242,8 @@ class KDAKernel:
 
         # ---- workspaces (kda-math.md §2.3 folded form, per 16-token tile) ----
         num_tile_slots = total // CHUNK + nseq + 1  # bound of the tile-id map floor(bos/16) + seq + step
-        kd = torch.empty((total, hv, kdim), dtype=dt, device=device)
-        qd = torch.empty_like(kd)
-        akt = torch.empty_like(kd)
+        # kd, qd and Ak^T in one allocation: allocator calls are a visible part of a small call's host time.
+        kd, qd, akt = torch.empty((3, total, hv, kdim), dtype=dt, device=device).unbind(0)
         aq = torch.empty((total, hv, CHUNK), dtype=dt, device=device)
         gt = torch.empty((num_tile_slots, hv, kdim), dtype=torch.float32, device=device)
         # Per (tile, value head): set by prepare once the tile's outputs are written; the recurrence, which
@@ -258,11 +263,15 @@ class KDAKernel:
             self._state_shape(1, hv), dtype=torch.float32, device=device))
         h0 = _prepared(initial_state) if initial_state is not None else unused
 
-        # The stages launch on TVM-FFI's environment stream: point it at torch's current stream, so calls
-        # order with surrounding torch work and are recorded by CUDA-graph capture.
-        stream = torch.cuda.current_stream(device).cuda_stream
-        ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
-        ht_arg = ht if ht is not None else unused
+        # The stages launch on TVM-FFI's environment stream, which must be torch's current stream (calls then
+        # order with surrounding torch work and are recorded by CUDA-graph capture). A torch with the DLPack
+        # exchange API (2.10+) hands TVM-FFI that stream with the first tensor argument; an older one needs it
+        # set explicitly, which costs a stream query per call.
+        if _TORCH_SETS_FFI_STREAM:
+            stream_scope = contextlib.nullcontext()
+        else:
+            ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
+            stream_scope = self._ffi.use_raw_stream(ffi_device, torch.cuda.current_stream(device).cuda_stream)
         sms = self._sm_count(device)
         rec_ctas = nseq * hv * self._v_slices  # the recurrence grid (sequences x heads x V-slices)
         seg_len = self._cp_segment_len(nseq, total, rec_ctas, sms)
@@ -273,8 +282,14 @@ class KDAKernel:
         beside = seg_len is None and (policy == "on" or (policy == "auto" and rec_ctas <= sms))
         items = num_tile_slots * -(-hv // self._prepare_heads_per_cta)
         prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
-        with self._ffi.use_raw_stream(ffi_device, stream):
+        with stream_scope:
             self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, int(beside))
+            # The outputs are allocated while the GPU already runs prepare. Tokens past cu_seqlens[-1] (engine
+            # padding) get o = 0 from the recurrence stage itself.
+            o = torch.empty((total, hv, vdim), dtype=dt, device=device)
+            ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
+                if output_final_state else None
+            ht_arg = ht if ht is not None else unused
             if seg_len is None:
                 self._recurrence(kd, qd, akt, aq, gt, v2, cu, ready, h0, ht_arg, o,
                                  int(initial_state is not None), int(ht is not None))

@@ -21,6 +21,7 @@ import pytest
 
 import kdagen.build
 import kdagen.compile
+import kdagen.plan
 from kdagen import paths
 from kdagen.spec import KernelSpec, load_spec_file
 
@@ -194,13 +195,40 @@ def _expected_mmas(source: str) -> set[str]:
 
 def _ptx_of(src: Path, stage: str, arch: str, dump: Path) -> str:
     dump.mkdir(parents=True)  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
-    options = f"--keep-ptx --dump-dir {dump}"
+    options = f"--keep-ptx --keep-cubin --dump-dir {dump}"
     out = kdagen.compile.compile_stage_file(src / f"{stage}.py", arch, extra_options=options)
     assert out.object_bytes[:4] == b"\x7fELF"
     ptx = sorted(dump.glob("*.ptx"))
     assert len(ptx) == 1, f"expected one .ptx in {dump}, found {[p.name for p in dump.iterdir()]}"
     assert ptx[0].name.endswith(f".{arch}.ptx")
     return ptx[0].read_text()
+
+
+def _kernel_registers(cubin: bytes) -> list[int]:
+    """Registers per thread of each kernel in a cubin: the REGCOUNT attributes (0x2f, a 4-byte-length
+    record of function index and count) of its `.nv.info*` ELF sections."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    regs = []
+    for name, _type, _flags, _addr, offset, size, *_ in sections:
+        title = cubin[names_at + name : cubin.index(b"\0", names_at + name)]
+        if not title.startswith(b".nv.info"):
+            continue
+        info, i = cubin[offset : offset + size], 0
+        while i < len(info):
+            fmt, attr = info[i], info[i + 1]
+            if fmt == 0x04:  # a record with a 2-byte length
+                length = struct.unpack_from("<H", info, i + 2)[0]
+                if attr == 0x2F:
+                    regs.append(struct.unpack_from("<II", info, i + 4)[1])
+                i += 4 + length
+            else:
+                i += 4 if fmt == 0x03 else 2
+    return regs
 
 
 @pytest.mark.parametrize("file_name,arch", PTX_CASES, ids=[a for _, a in PTX_CASES])
@@ -225,6 +253,12 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
             wg = "wgmma.mma_async.sync.aligned"
             for needed in (f"{wg}.m64n16k16.f32", f"{wg}.m64n{spec.head_dim_k}k16", "cp.async.bulk.tensor"):
                 assert needed in ptx, f"{vid} {stage}: PTX lacks {needed} (wgmma family)"
+            # The planner sizes prepare beside this stage by its registers before anything is compiled.
+            cubins = sorted((tmp_path / f"dump-{stage}").glob("*.cubin"))
+            assert len(cubins) == 1, f"{vid} {stage}: expected one cubin, found {cubins}"
+            regs = _kernel_registers(cubins[0].read_bytes())
+            assumed = kdagen.plan._RECURRENCE_CTA["wgmma"][1]
+            assert regs and max(regs) <= assumed, f"{vid} {stage}: {regs} registers, plan assumes {assumed}"
         else:
             assert "wgmma" not in ptx, f"{vid} {stage}: PTX contains wgmma (mma_sync template)"
         found = set(_MMA_RE.findall(ptx))

@@ -42,13 +42,13 @@ def test_mma_sync_selectable_on_sm90a():
 
 @pytest.mark.parametrize(("arch", "pdl"), [("sm_80", False), ("sm_90a", True), ("sm_100a", True)])
 def test_prepare_leaves_room_for_the_recurrence_only_with_pdl(arch: str, pdl: bool):
-    plan = make_plan(KernelSpec(arch=arch))
+    plan = make_plan(KernelSpec(arch=arch, family="mma_sync"))
     prep = next(s for s in plan.stages if s.name == "prepare").params
     rec = next(s for s in plan.stages if s.name == "recurrence").params
     assert prep["pdl"] is pdl and rec["pdl"] is pdl
     if pdl:  # registers for one CTA more than shared memory allows; one CTA fewer beside the recurrence
         assert prep["min_ctas_per_sm"] == prep["ctas_per_sm"] + 1
-        assert prep["overlap_ctas_per_sm"] == max(1, prep["ctas_per_sm"] - 1)
+        assert prep["overlap_ctas_per_sm"] == max(1, prep["ctas_per_sm"] - 1)  # mma_sync on these targets
     else:
         assert prep["min_ctas_per_sm"] == prep["ctas_per_sm"] == prep["overlap_ctas_per_sm"]
 
@@ -78,3 +78,13 @@ def test_intracard_cp_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(paths.ENV_INTRACARD_CP, value)
     with pytest.raises(ValueError, match="KDAGEN_INTRACARD_CP: expected"):
         paths.intracard_cp()
+
+
+@pytest.mark.parametrize(("family", "beside"), [("mma_sync", 3), ("wgmma", 2)])
+def test_prepare_beside_the_recurrence_fits_its_busiest_subpartition(family: str, beside: int):
+    # Four prepare CTAs fit an SM alone (K=128, safe gate); beside one recurrence CTA, the sub-partition that
+    # holds two of the wgmma recurrence's five warps has room for two prepare warps only (H200 timeline of
+    # 2026-11-26: with three, the recurrence started only when prepare had ended).
+    prep = next(s for s in make_plan(KernelSpec(arch="sm_90a", family=family)).stages if s.name == "prepare")
+    assert prep.params["ctas_per_sm"] == 4
+    assert prep.params["overlap_ctas_per_sm"] == beside

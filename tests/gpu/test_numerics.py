@@ -109,6 +109,23 @@ def test_padding_tokens_past_cu_seqlens_are_zero() -> None:
     assert_close("ht", ref_ht, ht, TOL)
 
 
+def test_empty_inputs_launch_nothing_and_pass_the_state_through() -> None:
+    """Zero tokens: o is empty, the final state is the initial one (zeros without one); zero sequences too."""
+    inp = _valid_inputs()
+    kernel = cases.kernel_for("lb_safe")
+    empty = {n: (t[:, :0] if n in ("q", "k", "v", "g", "beta") else t) for n, t in inp.items()}
+    empty["cu_seqlens"] = torch.zeros(3, dtype=torch.int32, device="cuda")  # two empty sequences
+    o, ht = cases.run_kernel(kernel, empty, True)
+    assert o.shape == (1, 0, *inp["v"].shape[2:]) and o.dtype == inp["v"].dtype
+    assert torch.equal(ht, inp["initial_state"])
+    empty["initial_state"] = None
+    _, ht = cases.run_kernel(kernel, empty, True)
+    assert ht.shape == inp["initial_state"].shape and not ht.any()
+    empty["cu_seqlens"] = torch.zeros(1, dtype=torch.int32, device="cuda")  # no sequences at all
+    _, ht = cases.run_kernel(kernel, empty, True)
+    assert ht.shape == (0, *inp["initial_state"].shape[1:])
+
+
 # Intra-card context parallelism: forced with short segments (KDAGEN_INTRACARD_CP=<tokens>) so that small
 # inputs exercise segment maps, merges across many segments, segments that end mid-tile, empty sequences
 # and the final state of the last segment; and once in "auto", where a long sequence with one head picks it.
