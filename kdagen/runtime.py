@@ -275,15 +275,17 @@ class KDAKernel:
         sms = self._sm_count(device)
         rec_ctas = nseq * hv * self._v_slices  # the recurrence grid (sequences x heads x V-slices)
         seg_len = self._cp_segment_len(nseq, total, rec_ctas, sms)
-        # Prepare is a persistent grid (every CTA resident at once). When the recurrence grid fits one CTA per
-        # SM, prepare takes one CTA fewer per SM and lets the recurrence start at once beside it (it follows
-        # the ready flags); otherwise the recurrence starts when prepare ends, as a plain launch would.
+        # Prepare is a persistent grid (every CTA resident at once), and on the plain path it lets the
+        # recurrence launch at once (the recurrence follows the ready flags). When the recurrence grid fits
+        # one CTA per SM, prepare takes fewer CTAs per SM so that the two run side by side; otherwise the
+        # recurrence's CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them.
+        early = int(seg_len is None)
         policy = paths.overlap()
         beside = seg_len is None and (policy == "on" or (policy == "auto" and rec_ctas <= sms))
         items = num_tile_slots * -(-hv // self._prepare_heads_per_cta)
         prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
         with stream_scope:
-            self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, int(beside))
+            self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, early)
             # The outputs are allocated while the GPU already runs prepare. Tokens past cu_seqlens[-1] (engine
             # padding) get o = 0 from the recurrence stage itself.
             o = torch.empty((total, hv, vdim), dtype=dt, device=device)
