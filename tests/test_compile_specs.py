@@ -195,7 +195,7 @@ def _expected_mmas(source: str) -> set[str]:
 
 def _ptx_of(src: Path, stage: str, arch: str, dump: Path) -> str:
     dump.mkdir(parents=True)  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
-    options = f"--keep-ptx --keep-cubin --dump-dir {dump}"
+    options = f"--keep-ptx --dump-dir {dump}"
     out = kdagen.compile.compile_stage_file(src / f"{stage}.py", arch, extra_options=options)
     assert out.object_bytes[:4] == b"\x7fELF"
     ptx = sorted(dump.glob("*.ptx"))
@@ -253,12 +253,6 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
             wg = "wgmma.mma_async.sync.aligned"
             for needed in (f"{wg}.m64n16k16.f32", f"{wg}.m64n{spec.head_dim_k}k16", "cp.async.bulk.tensor"):
                 assert needed in ptx, f"{vid} {stage}: PTX lacks {needed} (wgmma family)"
-            # The planner sizes prepare beside this stage by its registers before anything is compiled.
-            cubins = sorted((tmp_path / f"dump-{stage}").glob("*.cubin"))
-            assert len(cubins) == 1, f"{vid} {stage}: expected one cubin, found {cubins}"
-            regs = _kernel_registers(cubins[0].read_bytes())
-            assumed = kdagen.plan._RECURRENCE_CTA["wgmma"][1]
-            assert regs and max(regs) <= assumed, f"{vid} {stage}: {regs} registers, plan assumes {assumed}"
         else:
             assert "wgmma" not in ptx, f"{vid} {stage}: PTX contains wgmma (mma_sync template)"
         found = set(_MMA_RE.findall(ptx))
@@ -267,3 +261,22 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
         assert found == expected, f"{vid} {stage}: PTX has {sorted(found)}, source asks {sorted(expected)}"
         if stage == "prepare":
             assert any(m.startswith("mma.sync.aligned.m16n8k16.") for m in found), f"{vid}: no m16n8k16"
+
+
+@pytest.mark.parametrize("family", ["mma_sync", "wgmma"])
+def test_recurrence_registers_match_the_plan(tmp_path: Path, family: str):
+    """The planner sizes prepare beside the recurrence from the recurrence CTA's registers before anything is
+    compiled (`kdagen.plan._RECURRENCE_CTA`); the compiled sm_90a recurrence (K=V=128) must not need more."""
+    spec = KernelSpec(arch="sm_90a", family=family)
+    plan, rendered, _key, _parts = kdagen.build.describe(spec)
+    src, dump = tmp_path / "src", tmp_path / "dump"
+    src.mkdir()
+    dump.mkdir()  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
+    (src / "recurrence.py").write_text(rendered["recurrence.py"])
+    options = f"--keep-cubin --dump-dir {dump}"
+    kdagen.compile.compile_stage_file(src / "recurrence.py", "sm_90a", extra_options=options)
+    cubins = sorted(dump.glob("*.cubin"))
+    assert len(cubins) == 1, f"expected one cubin, found {[c.name for c in cubins]}"
+    regs = _kernel_registers(cubins[0].read_bytes())
+    assumed = kdagen.plan._RECURRENCE_CTA[family][1]
+    assert regs and max(regs) <= assumed, f"{family} recurrence: {regs} registers, the plan assumes {assumed}"
