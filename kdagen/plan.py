@@ -128,9 +128,11 @@ def make_plan(spec: KernelSpec) -> Plan:
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
     # the recurrence starts when prepare ends, and the ready flags are then always set.
     pdl = get_arch(spec.arch).has_pdl
-    # Prepare's register cap (the compiler's, from min_ctas_per_sm below): 65536 over 128 threads per CTA,
-    # rounded down to the allocation unit of 8.
-    prepare_regs = min(255, 65536 // (32 * PREPARE_HEADS_PER_CTA * (ctas + 1 if pdl else ctas))) // 8 * 8
+    # Registers are capped for one prepare CTA more than fit alone when the recurrence may run beside it (96 a
+    # thread at four CTAs; ptxas spills ~48 bytes); the cap is 65536 over the CTAs' threads, rounded down to
+    # the allocation unit of 8.
+    min_ctas = ctas + 1 if pdl else ctas
+    prepare_regs = min(255, 65536 // (32 * PREPARE_HEADS_PER_CTA * min_ctas)) // 8 * 8
     # Templates of the stages both families share (prepare, intra-card CP): the wgmma family differs in the
     # recurrence only.
     shared = "mma_sync"
@@ -152,9 +154,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             # recurrence CTA (~31 KB mma_sync, ~48 KB wgmma) and its registers (one prepare CTA fewer for
             # mma_sync, two for wgmma: `_prepare_ctas_beside`) ...
             "overlap_ctas_per_sm": _prepare_ctas_beside(family, ctas, prepare_regs) if pdl else ctas,
-            # ... for which registers are capped for one CTA more than fit alone (96 a thread at four CTAs;
-            # ptxas spills ~48 bytes).
-            "min_ctas_per_sm": ctas + 1 if pdl else ctas,
+            # ... for which registers are capped (`prepare_regs`).
+            "min_ctas_per_sm": min_ctas,
             "pdl": pdl,
             # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the
             # limit at 16 warps per SM).

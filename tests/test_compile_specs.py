@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,8 +208,6 @@ def _ptx_of(src: Path, stage: str, arch: str, dump: Path) -> str:
 def _kernel_registers(cubin: bytes) -> list[int]:
     """Registers per thread of each kernel in a cubin: the REGCOUNT attributes (0x2f, a 4-byte-length
     record of function index and count) of its `.nv.info*` ELF sections."""
-    import struct
-
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
@@ -268,7 +267,7 @@ def test_recurrence_registers_match_the_plan(tmp_path: Path, family: str):
     """The planner sizes prepare beside the recurrence from the recurrence CTA's registers before anything is
     compiled (`kdagen.plan._RECURRENCE_CTA`); the compiled sm_90a recurrence (K=V=128) must not need more."""
     spec = KernelSpec(arch="sm_90a", family=family)
-    plan, rendered, _key, _parts = kdagen.build.describe(spec)
+    _plan, rendered, _key, _parts = kdagen.build.describe(spec)
     src, dump = tmp_path / "src", tmp_path / "dump"
     src.mkdir()
     dump.mkdir()  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
