@@ -121,6 +121,29 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
+def _merge_params(spec: KernelSpec) -> dict:
+    """The CP merge walks the segment maps one after another, so its step latency is what counts.
+
+    One m16 row block of S^T per CTA (V/16 CTAs per head walk the chain side by side), its K columns split
+    16 to a warp (one warp per scheduler left the step latency-bound: 2.4 us at four warps on an H100), and
+    each map M_j (K x K fp32, padded rows) prefetched into shared memory as many steps ahead as the target's
+    shared memory holds, up to two: three buffers at K=128 on sm_90a/sm_100a, two on sm_80, one (no
+    prefetch) on sm_89.
+    """
+    k = spec.head_dim_k
+    map_bytes = k * (k + 4) * 4
+    a_bytes = 2 * 16 * k * 2 + 2048  # the bf16 hi/lo A operand, and alignment slack
+    stages = max(1, min(3, (get_arch(spec.arch).smem_bytes_per_block - a_bytes) // map_bytes))
+    return {
+        "head_dim_k": k,
+        "head_dim_v": spec.head_dim_v,
+        "state_layout": spec.state_layout,
+        "block_v": 16,
+        "warps": k // 16,  # two n8 column tiles a warp
+        "stages": stages,
+    }
+
+
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     common = _common_params(spec)
@@ -180,10 +203,6 @@ def make_plan(spec: KernelSpec) -> Plan:
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass.
     prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
-    merge = StagePlan(
-        "cp_merge",
-        f"{shared}/cp_merge.py.j2",
-        {k: rec_params[k] for k in ("head_dim_k", "head_dim_v", "block_v", "state_layout")},
-    )
+    merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
     segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
     return Plan(family=family, reason=reason, stages=(prepare, recurrence, prescan, merge, segments))
