@@ -125,13 +125,12 @@ def _merge_params(spec: KernelSpec) -> dict:
     """The CP merge walks the segment maps one after another, so its step latency is what counts.
 
     One m16 row block of S^T per CTA (V/16 CTAs per head walk the chain side by side), its K columns split
-    16 to a warp (one warp per scheduler left the step latency-bound: 2.4 us at four warps on an H100), and
-    each map M_j (K x K fp32, padded rows) prefetched into shared memory as many steps ahead as the target's
-    shared memory holds, up to two: three buffers at K=128 on sm_90a/sm_100a, two on sm_80, one (no
-    prefetch) on sm_89.
+    16 to a warp, and each map M_j (bf16 hi and lo planes, 64 KB at K=128) prefetched into shared memory as
+    many steps ahead as the target's shared memory holds, up to two: three buffers at K=128 on
+    sm_90a/sm_100a, two on sm_80, one (no prefetch) on sm_89.
     """
     k = spec.head_dim_k
-    map_bytes = k * (k + 4) * 4
+    map_bytes = k * k * 4  # bf16 hi and lo planes
     a_bytes = 2 * 16 * k * 2 + 2048  # the bf16 hi/lo A operand, and alignment slack
     stages = max(1, min(3, (get_arch(spec.arch).smem_bytes_per_block - a_bytes) // map_bytes))
     return {

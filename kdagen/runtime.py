@@ -111,7 +111,7 @@ class KDAKernel:
         Decided from host-known sizes only (no reading of cu_seqlens): worth it when the recurrence grid
         (sequences x heads x V-slices) leaves room for at least four segments per sequence on the SMs and
         sequences are long on average. Then sequences are cut into segments of at least 1024 tokens, as many
-        as fill the SMs in the segment pass but not more than the merge chain repays (fast-kda.md §D).
+        as fill the SMs twice in the segment pass but not more than the merge chain repays (fast-kda.md §D).
         The four: a prescan step plus a segment step cost ~2.4 us against ~0.8 us for a plain step (H200,
         loaded), so fewer segments lose; measured at T=16384 on an H200, 16 heads (4 segments) run the
         recurrence in 0.48 ms against 0.80 ms without CP, 32 heads (2 segments) in 1.23 ms against 0.83 ms.
@@ -123,12 +123,15 @@ class KDAKernel:
             return policy
         if 4 * rec_ctas > sms or total < 4096 * nseq:
             return None
-        # Enough segments to fill the SMs in the segment pass, but no more than about sqrt(0.6 * steps): the
-        # merge walks the segments one after another (~2.4 us each on an H200), while the parallel passes
-        # cost ~2 x 0.75 us per step of one segment, and the sum of the two is least there.
+        # Segments for two CTAs per SM in the segment pass, but no more than about sqrt(steps / 4): the merge
+        # walks the segments one after another (~2 us each), while the parallel passes cost a few us per step
+        # of one segment, and the sum of the two is least there. Measured on an H100 (one sequence, ms,
+        # against the earlier rule of one CTA per SM): T=65536 H=4 0.683 (2048 tokens) vs 0.716 (4096);
+        # T=16384 H=16 0.641 vs 0.699; T=32768 H=8 0.665 vs 0.696; T=16384 H=8 0.372 (1024) vs 0.376 (2048);
+        # T=65536 H=2 keeps ~2000 (0.446; 1312 tokens, 50 segments, took 0.490).
         steps = -(-total // (CHUNK * nseq))  # per sequence, on average
-        fill = max(1, sms // rec_ctas)  # segments per sequence that fill the SMs
-        segments = max(2, min(fill, round(math.sqrt(0.6 * steps))))
+        fill = max(1, sms // rec_ctas)  # segments per sequence that put one CTA on every SM
+        segments = max(2, min(2 * fill, round(math.sqrt(steps / 4))))
         seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
 
