@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kdagen import paths
+from kdagen.arch import get_arch
 from kdagen.plan import make_plan
+from kdagen.runtime import KDAKernel
 from kdagen.spec import KernelSpec
 
 
@@ -88,3 +90,35 @@ def test_prepare_beside_the_recurrence_fits_its_busiest_subpartition(family: str
     prep = next(s for s in make_plan(KernelSpec(arch="sm_90a", family=family)).stages if s.name == "prepare")
     assert prep.params["ctas_per_sm"] == 4
     assert prep.params["overlap_ctas_per_sm"] == beside
+
+
+@pytest.mark.parametrize(("arch", "stages"), [("sm_80", 2), ("sm_89", 1), ("sm_90a", 3), ("sm_100a", 3)])
+@pytest.mark.parametrize("head_dim_k", [64, 128])
+def test_merge_prefetch_fits_the_targets_shared_memory(arch: str, stages: int, head_dim_k: int):
+    # The merge buffers as many maps (bf16 hi and lo planes) as the target's shared memory holds, up to three;
+    # at K=128 that is one map on sm_89 (99 KB a block), two on sm_80, three on sm_90a and sm_100a.
+    spec = KernelSpec(arch=arch, head_dim_k=head_dim_k, head_dim_v=128)
+    p = next(s for s in make_plan(spec).stages if s.name == "cp_merge").params
+    k = head_dim_k
+    used = p["stages"] * 2 * k * k * 2 + 2 * p["block_v"] * k * 2
+    assert used <= get_arch(arch).smem_bytes_per_block
+    assert p["warps"] * 16 == k and p["block_v"] == 16
+    assert p["stages"] == (stages if k == 128 else 3)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "expected"),
+    [(65536, 4, 2048), (16384, 16, 2048), (32768, 8, 2048), (16384, 8, 1024), (65536, 2, 2048),
+     (16384, 64, None), (16384, 17, None), (2048, 1, None)],
+)
+def test_intracard_cp_segment_rule(
+    monkeypatch: pytest.MonkeyPatch, tokens: int, heads: int, expected: int | None
+) -> None:
+    # One sequence on 132 SMs: two segment-pass CTAs per SM at most, at most sqrt(steps / 4) segments, none
+    # when the recurrence grid (heads x 2 V-slices) takes more than a quarter of the SMs or the sequence is
+    # short (the measurements behind the rule are in KDAKernel._cp_segment_len).
+    monkeypatch.delenv(paths.ENV_INTRACARD_CP, raising=False)
+    spec = KernelSpec(arch="sm_90a")
+    names = ("prepare", "recurrence", "cp_prescan", "cp_merge", "cp_segments")
+    kernel = KDAKernel(spec, make_plan(spec), dict.fromkeys(names, lambda *a: None))
+    assert kernel._cp_segment_len(1, tokens, 2 * heads, 132) == expected
