@@ -130,14 +130,15 @@ def _merge_params(spec: KernelSpec) -> dict:
     sm_90a/sm_100a, two on sm_80, one (no prefetch) on sm_89.
     """
     k = spec.head_dim_k
+    rows = 16  # S^T rows per CTA: one m16 block
     map_bytes = k * k * 4  # bf16 hi and lo planes
-    a_bytes = 2 * 16 * k * 2 + 2048  # the bf16 hi/lo A operand, and alignment slack
+    a_bytes = 2 * rows * k * 2 + 2048  # the bf16 hi/lo A operand, and alignment slack
     stages = max(1, min(3, (get_arch(spec.arch).smem_bytes_per_block - a_bytes) // map_bytes))
     return {
         "head_dim_k": k,
         "head_dim_v": spec.head_dim_v,
         "state_layout": spec.state_layout,
-        "block_v": 16,
+        "block_v": rows,
         "warps": k // 16,  # two n8 column tiles a warp
         "stages": stages,
     }
