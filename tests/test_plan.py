@@ -119,6 +119,6 @@ def test_intracard_cp_segment_rule(
     # short (the measurements behind the rule are in KDAKernel._cp_segment_len).
     monkeypatch.delenv(paths.ENV_INTRACARD_CP, raising=False)
     spec = KernelSpec(arch="sm_90a")
-    names = ("prepare", "recurrence", "cp_prescan", "cp_merge", "cp_segments")
-    kernel = KDAKernel(spec, make_plan(spec), dict.fromkeys(names, lambda *a: None))
+    plan = make_plan(spec)
+    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
     assert kernel._cp_segment_len(1, tokens, 2 * heads, 132) == expected
