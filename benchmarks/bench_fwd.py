@@ -9,8 +9,10 @@ sequences x 4096/8192/16384 tokens x uniform/random/skewed); ``--long``: one seq
 Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
 l2norm, every launch, allocations), after ``--warmup`` calls. Reported: ms for each, speedup = FLA / kdagen,
 the geometric mean, kdagen's accuracy against FLA (relative RMSE of o and the final state), and per config the
-physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial chain of
-max_len / chunk steps x ``--step-us``; "of floor" is the binding (largest) floor over the measured time.
+physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial chain x ``--step-us``;
+"of floor" is the binding (largest) floor over the measured time. The serial chain is max_len / chunk steps,
+except where kdagen cuts sequences into segments (intra-card CP, the ``--long`` config): then a segment's
+steps twice (its map, then its pass) plus one merge step per segment, bound "serial-cp".
 
 Run from the repository root on a GPU machine:
 
@@ -133,17 +135,22 @@ class Floors:
     serial_ms: float
     bytes: int
     flops: float
+    cp: bool = False  # the serial chain is that of intra-card CP segments
 
     @property
     def binding(self) -> tuple[str, float]:
-        options = {"hbm": self.hbm_ms, "flop": self.flop_ms, "serial": self.serial_ms}
+        serial = "serial-cp" if self.cp else "serial"
+        options = {"hbm": self.hbm_ms, "flop": self.flop_ms, serial: self.serial_ms}
         name = max((k for k, v in options.items() if v is not None), key=lambda k: options[k] or 0.0)
         return name, float(options[name] or 0.0)
 
 
-def physical_floors(cfg: Config, card: Card, step_us: float, chunk: int, io_bytes: dict[str, int]) -> Floors:
+def physical_floors(cfg: Config, card: Card, step_us: float, chunk: int, io_bytes: dict[str, int],
+                    segment: int | None = None) -> Floors:
     """Lower bounds on the time of one call: every byte moved once, every FLOP at peak, and the serial chain
-    of ceil(max_len / chunk) dependent state updates per (sequence, head)."""
+    of ceil(max_len / chunk) dependent state updates per (sequence, head). Cut into segments of `segment`
+    tokens (intra-card CP) the chain is a segment's steps for its map, the merge's one step per segment, and
+    the segment's steps again for its pass."""
     th = cfg.total * cfg.heads
     K = V = HEAD_DIM
     per_token_head = (2 * K * io_bytes["qk"] + V * io_bytes["v"] + K * io_bytes["g"] + io_bytes["beta"]
@@ -152,8 +159,12 @@ def physical_floors(cfg: Config, card: Card, step_us: float, chunk: int, io_byte
     flops = FLOP_PER_TOKEN_HEAD * th
     hbm_ms = nbytes / (card.hbm_tbps * 1e12) * 1e3 if card.hbm_tbps else None
     flop_ms = flops / (card.bf16_tflops * 1e12) * 1e3 if card.bf16_tflops else None
-    serial_ms = math.ceil(cfg.max_len / chunk) * step_us * 1e-3
-    return Floors(hbm_ms, flop_ms, serial_ms, nbytes, flops)
+    if segment:
+        steps = 2 * math.ceil(min(segment, cfg.max_len) / chunk) + math.ceil(cfg.max_len / segment)
+    else:
+        steps = math.ceil(cfg.max_len / chunk)
+    serial_ms = steps * step_us * 1e-3
+    return Floors(hbm_ms, flop_ms, serial_ms, nbytes, flops, cp=bool(segment))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -234,6 +245,12 @@ class KdagenTarget:
     def chunk(self) -> int:
         return int(self.info.get("chunk_size", 16))
 
+    def cp_segment_len(self, cfg: Config) -> int | None:
+        """The intra-card CP segment length kdagen picks for this config (None: whole sequences)."""
+        if self.kernel is None:
+            return None
+        return self.kernel.cp_segment_len(len(cfg.lengths), cfg.total, cfg.heads)
+
     def io_bytes(self) -> dict[str, int]:
         size = {"bf16": 2, "fp16": 2, "fp32": 4}
         d = size[self.info.get("dtype", "bf16")]
@@ -282,14 +299,15 @@ def _measure(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[Any, float
 def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[..., Any] | None,
                target: KdagenTarget) -> dict[str, Any]:
     inp = make_bench_inputs(cfg, torch.device("cuda"))
-    floors = physical_floors(cfg, card, args.step_us, target.chunk, target.io_bytes())
+    segment = target.cp_segment_len(cfg)
+    floors = physical_floors(cfg, card, args.step_us, target.chunk, target.io_bytes(), segment)
     row: dict[str, Any] = {
         "config": cfg.name, "kind": cfg.kind, "heads": cfg.heads, "num_seqs": len(cfg.lengths),
         "total_tokens": cfg.total, "max_len": cfg.max_len,
         "lengths": list(cfg.lengths) if len(cfg.lengths) <= 32 else None,
         "hbm_bytes": floors.bytes, "flops": floors.flops, "hbm_floor_ms": floors.hbm_ms,
         "flop_floor_ms": floors.flop_ms, "serial_floor_ms": floors.serial_ms,
-        "binding_floor": floors.binding[0], "binding_floor_ms": floors.binding[1],
+        "binding_floor": floors.binding[0], "binding_floor_ms": floors.binding[1], "cp_segment_len": segment,
     }
     fla_out = kd_out = None
     if fla is not None:

@@ -105,6 +105,17 @@ class KDAKernel:
         k, v = self.spec.head_dim_k, self.spec.head_dim_v
         return (n, hv, k, v) if self.spec.state_layout == "kv" else (n, hv, v, k)
 
+    def cp_segment_len(
+        self, num_seqs: int, total_tokens: int, num_v_heads: int, device: torch.device | None = None
+    ) -> int | None:
+        """Segment length intra-card CP would use for a call of this size on `device` (default: the current
+        CUDA device), or None for whole sequences: the rule a call applies (`KDAGEN_INTRACARD_CP` included),
+        for tools that report the schedule, such as the benchmark's serial floor."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        rec_ctas = num_seqs * num_v_heads * self._v_slices
+        return self._cp_segment_len(num_seqs, total_tokens, rec_ctas, self._sm_count(device))
+
     def _cp_segment_len(self, nseq: int, total: int, rec_ctas: int, sms: int) -> int | None:
         """Segment length for intra-card context parallelism, or None to run whole sequences.
 
