@@ -485,9 +485,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     configs = build_configs(args.quick, args.only, args.long)
-    # One untimed pass of the first config first: the first row otherwise carries the process's warm-up
-    # (FLA's Triton compilation and autotuning, allocator growth, clocks) beyond what --warmup absorbs (H100:
-    # B1 T512 took 0.113 ms for kdagen where B2 T512, twice the work, took 0.098 in the same run).
+    # One untimed pass of the first config first, so that the process's warm-up (FLA's Triton compilation
+    # and autotuning, allocator growth) is not in the first row's timings. Rows under ~0.2 ms stay host-bound
+    # and move by a few hundredths of a ms between runs either way (H100: B1 T512 0.113 ms without this pass,
+    # 0.115 with it; B2 T512 0.098 and 0.186).
     if configs:
         run_config(configs[0], args, card, fla, target)
     for i, cfg in enumerate(configs, 1):
