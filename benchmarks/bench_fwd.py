@@ -7,13 +7,13 @@ l2norm and the lower-bound gate (-5, safe_gate) computed in the kernel, final st
 sequences x 4096/8192/16384 tokens x uniform/random/skewed); ``--long``: one sequence of 65536 tokens, H=4.
 
 Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
-l2norm, every launch, allocations), after ``--warmup`` calls (and after one untimed pass of the first config,
-which absorbs the process's own warm-up). Reported: ms for each, speedup = FLA / kdagen,
-the geometric mean, kdagen's accuracy against FLA (relative RMSE of o and the final state), and per config the
-physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial chain x ``--step-us``;
-"of floor" is the binding (largest) floor over the measured time. The serial chain is max_len / chunk steps,
-except where kdagen cuts sequences into segments (intra-card CP, the ``--long`` config): then a segment's
-steps twice (its map, then its pass) plus one merge step per segment, bound "serial-cp".
+l2norm, every launch, allocations), after one untimed call and ``--warmup`` more. Reported: ms for each,
+speedup = FLA / kdagen, the geometric mean, kdagen's accuracy against FLA (relative RMSE of o and the final
+state), and per config the physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial
+chain x ``--step-us``; "of floor" is the binding (largest) floor over the measured time. The serial chain is
+max_len / chunk steps, except where kdagen cuts sequences into segments (intra-card CP, the ``--long``
+config): then a segment's steps twice (its map, then its pass) plus one merge step per segment, bound
+"serial-cp".
 
 Run from the repository root on a GPU machine:
 
@@ -485,12 +485,6 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     configs = build_configs(args.quick, args.only, args.long)
-    # One untimed pass of the first config first, so that the process's warm-up (FLA's Triton compilation
-    # and autotuning, allocator growth) is not in the first row's timings. Rows under ~0.2 ms stay host-bound
-    # and move by a few hundredths of a ms between runs either way (H100: B1 T512 0.113 ms without this pass,
-    # 0.115 with it; B2 T512 0.098 and 0.186).
-    if configs:
-        run_config(configs[0], args, card, fla, target)
     for i, cfg in enumerate(configs, 1):
         row = run_config(cfg, args, card, fla, target)
         rows.append(row)
