@@ -27,6 +27,7 @@ __all__ = [
     "ENV_DISABLE_JIT",
     "ENV_INTRACARD_CP",
     "ENV_OVERLAP",
+    "ENV_SEQ_ORDER",
     "ENV_GENERATED_DIR",
     "package_dir",
     "repo_root",
@@ -40,6 +41,7 @@ __all__ = [
     "find_spec_file",
     "intracard_cp",
     "overlap",
+    "seq_order",
 ]
 
 ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
@@ -47,6 +49,7 @@ ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
 ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
 ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
 ENV_OVERLAP = "KDAGEN_OVERLAP"
+ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -149,4 +152,14 @@ def overlap() -> str:
     value = os.environ.get(ENV_OVERLAP, "").strip().lower() or "auto"
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV_OVERLAP}: expected 'auto', 'on' or 'off', got {value!r}")
+    return value
+
+
+def seq_order() -> str:
+    """``KDAGEN_SEQ_ORDER``: "auto" (default: the recurrence takes sequences longest first when its grid does
+    not fit the SMs at once), "length" (longest first whenever there are two sequences or more) or "input"
+    (the order of ``cu_seqlens``)."""
+    value = os.environ.get(ENV_SEQ_ORDER, "").strip().lower() or "auto"
+    if value not in ("auto", "length", "input"):
+        raise ValueError(f"{ENV_SEQ_ORDER}: expected 'auto', 'length' or 'input', got {value!r}")
     return value

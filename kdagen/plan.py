@@ -22,6 +22,10 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
+# Most sequences the order stage ranks (longest first for the recurrence's grid): it stages cu_seqlens in
+# shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound the runtime
+# keeps the input order.
+MAX_RANKED_SEQS = 4096
 
 
 @dataclass(frozen=True)
@@ -200,9 +204,12 @@ def make_plan(spec: KernelSpec) -> Plan:
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
     recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params)
+    # The sequences ranked by length on the device, launched before prepare when the recurrence's grid does
+    # not fit the SMs at once (the runtime decides: KDAKernel._by_length).
+    order = StagePlan("order", f"{shared}/order.py.j2", {"max_seqs": MAX_RANKED_SEQS})
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass.
     prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
     merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
     segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
-    return Plan(family=family, reason=reason, stages=(prepare, recurrence, prescan, merge, segments))
+    return Plan(family=family, reason=reason, stages=(order, prepare, recurrence, prescan, merge, segments))

@@ -25,7 +25,7 @@ import torch
 
 from kdagen import paths
 from kdagen.errors import InputError
-from kdagen.plan import CHUNK, Plan
+from kdagen.plan import CHUNK, MAX_RANKED_SEQS, Plan
 from kdagen.spec import KernelSpec
 
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -85,6 +85,7 @@ class KDAKernel:
         self.spec = spec
         self.plan = plan
         self.name = name
+        self._order = stages["order"]
         self._prepare = stages["prepare"]
         self._recurrence = stages["recurrence"]
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
@@ -145,6 +146,20 @@ class KDAKernel:
         segments = max(2, min(2 * fill, round(math.sqrt(steps / 4))))
         seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
+
+    @staticmethod
+    def _by_length(nseq: int, rec_ctas: int, sms: int) -> bool:
+        """Whether the recurrence takes sequences longest first (the order stage ranks them on the device).
+
+        The recurrence's CTAs start in grid order, so when its grid does not fit the SMs at once a long
+        sequence late in `cu_seqlens` starts late and runs alone at the end (H100, H=64, 19 sequences of 431
+        tokens and one of 8195: 1.50 ms with it last, 1.32 ms with it first). Ranking is one small launch
+        before prepare, so it is skipped where it cannot help: one sequence, or a grid that fits one CTA per
+        SM; and past MAX_RANKED_SEQS sequences. `KDAGEN_SEQ_ORDER` overrides."""
+        policy = paths.seq_order()
+        if policy == "input" or not 2 <= nseq <= MAX_RANKED_SEQS:
+            return False
+        return policy == "length" or rec_ctas > sms
 
     def _sm_count(self, device: torch.device) -> int:
         return self._cached(
@@ -261,8 +276,13 @@ class KDAKernel:
         aq = torch.empty((total, hv, CHUNK), dtype=dt, device=device)
         gt = torch.empty((num_tile_slots, hv, kdim), dtype=torch.float32, device=device)
         # Per (tile, value head): set by prepare once the tile's outputs are written; the recurrence, which
-        # may start while prepare still runs, waits on them. Zeroed here, before prepare (one memset).
-        ready = torch.zeros((num_tile_slots, hv), dtype=torch.int32, device=device)
+        # may start while prepare still runs, waits on them. Zeroed here, before prepare (one memset), with
+        # N + 1 entries behind them (16-byte aligned) for the order stage's longest-first order.
+        num_flags = num_tile_slots * hv
+        order_at = -(-num_flags // 4) * 4
+        flags = torch.zeros(order_at + nseq + 1, dtype=torch.int32, device=device)
+        ready = flags[:num_flags].view(num_tile_slots, hv)
+        order = flags[order_at:]
 
         args = [q2, k2, g2, b2]
         if spec.gate != "precomputed":
@@ -294,11 +314,14 @@ class KDAKernel:
         # one CTA per SM, prepare takes fewer CTAs per SM so that the two run side by side; otherwise the
         # recurrence's CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them.
         early = int(seg_len is None)
+        by_length = int(seg_len is None and self._by_length(nseq, rec_ctas, sms))
         policy = paths.overlap()
         beside = seg_len is None and (policy == "on" or (policy == "auto" and rec_ctas <= sms))
         items = num_tile_slots * -(-hv // self._prepare_heads_per_cta)
         prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
         with stream_scope:
+            if by_length:
+                self._order(cu, order)
             self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, early)
             # The outputs are allocated while the GPU already runs prepare. Tokens past cu_seqlens[-1] (engine
             # padding) get o = 0 from the recurrence stage itself.
@@ -307,8 +330,8 @@ class KDAKernel:
                 if output_final_state else None
             ht_arg = ht if ht is not None else unused
             if seg_len is None:
-                self._recurrence(kd, qd, akt, aq, gt, v2, cu, ready, h0, ht_arg, o,
-                                 int(initial_state is not None), int(ht is not None))
+                self._recurrence(kd, qd, akt, aq, gt, v2, cu, ready, order, h0, ht_arg, o,
+                                 int(initial_state is not None), int(ht is not None), by_length)
             else:
                 prescan, merge, segments = self._cp
                 slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles

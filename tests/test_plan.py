@@ -21,6 +21,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
     assert plan.family == "wgmma"
     assert "mma_sync" in plan.reason  # says what the shared stages are
     assert _templates(KernelSpec(arch="sm_90a")) == {
+        "order": "mma_sync/order.py.j2",
         "prepare": "mma_sync/prepare.py.j2",
         "recurrence": "wgmma/recurrence.py.j2",
         "cp_prescan": "mma_sync/recurrence.py.j2",
@@ -67,6 +68,36 @@ def test_overlap_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(paths.ENV_OVERLAP, "yes")
     with pytest.raises(ValueError, match="KDAGEN_OVERLAP: expected 'auto', 'on' or 'off', got 'yes'"):
         paths.overlap()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("LENGTH", "length"), (" input ", "input")])
+def test_seq_order_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str):
+    monkeypatch.setenv(paths.ENV_SEQ_ORDER, value)
+    assert paths.seq_order() == expected
+
+
+def test_seq_order_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(paths.ENV_SEQ_ORDER, "sorted")
+    expected = "KDAGEN_SEQ_ORDER: expected 'auto', 'length' or 'input', got 'sorted'"
+    with pytest.raises(ValueError, match=expected):
+        paths.seq_order()
+
+
+@pytest.mark.parametrize(
+    ("policy", "nseq", "rec_ctas", "expected"),
+    [
+        ("auto", 20, 2560, True), ("auto", 20, 132, False), ("auto", 1, 256, False),
+        ("auto", 5000, 10**6, False), ("length", 2, 4, True), ("length", 1, 4, False),
+        ("input", 20, 2560, False),
+    ],
+)
+def test_longest_first_rule(
+    monkeypatch: pytest.MonkeyPatch, policy: str, nseq: int, rec_ctas: int, expected: bool
+) -> None:
+    # Longest first only where the recurrence grid does not fit the 132 SMs at once and there are sequences to
+    # rank (two to MAX_RANKED_SEQS); `length` forces it, `input` turns it off.
+    monkeypatch.setenv(paths.ENV_SEQ_ORDER, policy)
+    assert KDAKernel._by_length(nseq, rec_ctas, 132) is expected
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("off", "off"), ("1024", 1024)])

@@ -150,6 +150,39 @@ def test_intracard_cp(
     _check_against_reference(spec_name, case)
 
 
+# Longest-first recurrence, forced on small inputs (KDAGEN_SEQ_ORDER=length): prepare ranks the sequences by
+# length on the device and grid slice z of the recurrence runs the z-th longest. Ties, empty and length-1
+# sequences, the longest last. Each (sequence, head, V-slice) is computed the same way wherever its CTA sits
+# in the grid, so the results must equal those of the input order bit for bit, in both families.
+ORDER_CASES = [
+    ("lb_safe", cases.VL((0, 5, 5, 70, 70, 135, 1200), 2, init=True)),
+    ("p_reset_vk_bbf16", cases.VL((0, 1, 17, 33, 900), 2, init=True, mask_p=0.3, hard_reset=True)),
+]
+
+
+@pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize(("spec_name", "case"), ORDER_CASES, ids=[f"{n}:{c.id}" for n, c in ORDER_CASES])
+def test_longest_first_order(
+    spec_name: str, case: cases.Case, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kdagen
+
+    spec = {**cases.SPECS[spec_name], "family": family}
+    kernel = kdagen.get_kernel(spec)
+    inp = cases.build_inputs(spec, case)
+    outs = {}
+    for policy in ("input", "length"):
+        monkeypatch.setenv("KDAGEN_SEQ_ORDER", policy)
+        outs[policy] = cases.run_kernel(kernel, inp, True)
+    torch.cuda.synchronize()
+    ref_o, ref_ht = cases.run_reference(spec, inp, True)
+    o, ht = outs["length"]
+    assert_close("o (longest first)", ref_o, o, TOL)
+    assert_close("ht (longest first)", ref_ht, ht, TOL)
+    assert torch.equal(o, outs["input"][0]), "o: longest-first and input order differ"
+    assert torch.equal(ht, outs["input"][1]), "ht: longest-first and input order differ"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
@@ -185,8 +218,11 @@ def test_cuda_graph_replay_with_new_inputs() -> None:
         assert_close(f"ht (replay seed {seed})", ref_ht, ht, TOL)
 
 
-def test_cuda_graph_replay_with_new_cu_seqlens() -> None:
-    """Same N and total tokens, different boundaries: nothing may be derived from cu_seqlens on the host."""
+@pytest.mark.parametrize("order", ["auto", "length"])
+def test_cuda_graph_replay_with_new_cu_seqlens(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same N and total tokens, different boundaries: nothing may be derived from cu_seqlens on the host (with
+    `length`, the longest-first order is recomputed on the device at every replay)."""
+    monkeypatch.setenv("KDAGEN_SEQ_ORDER", order)
     spec = cases.SPECS["lb_safe_gva2_vk_bbf16"]
     kernel = cases.kernel_for("lb_safe_gva2_vk_bbf16")
     case = cases.VL((0, 15, 100, 300, 301, 512), 2, init=True)
