@@ -1,4 +1,4 @@
-"""The benchmark's physical floors (benchmarks/bench_fwd.py), on the CPU."""
+"""The benchmark's physical floors and options (benchmarks/bench_fwd.py), on the CPU."""
 
 from __future__ import annotations
 
@@ -30,3 +30,10 @@ def test_serial_floor_of_cp_segments_is_two_segment_chains_and_the_merge():
     assert floors.serial_ms == pytest.approx((128 + 32 + 128) * 1e-3)
     name, ms = floors.binding
     assert name == "serial-cp" and ms == floors.serial_ms
+
+
+def test_warm_up_seconds_are_an_option_and_must_not_be_negative():
+    assert bench_fwd.parse_args([]).warmup_s == 2.0
+    assert bench_fwd.parse_args(["--warmup-s", "0"]).warmup_s == 0.0
+    with pytest.raises(SystemExit):
+        bench_fwd.parse_args(["--warmup-s", "-1"])
