@@ -9,8 +9,8 @@ sequences x 4096/8192/16384 tokens x uniform/random/skewed); ``--long``: one seq
 Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
 l2norm, every launch, allocations), after one untimed call and ``--warmup`` more; before the first config,
 both run for ``--warmup-s`` seconds on its inputs, so that the process and the GPU are in their steady state
-(without it, the first rows of a fresh process on an idle H200 took ~1.6x as long as the same calls
-later). Reported: ms for each,
+(in one H200 run without it, the first rows took ~1.6x as long as the same calls in a later process on that
+machine). Reported: ms for each,
 speedup = FLA / kdagen, the geometric mean, kdagen's accuracy against FLA (relative RMSE of o and the final
 state), and per config the physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial
 chain x ``--step-us``; "of floor" is the binding (largest) floor over the measured time. The serial chain is
