@@ -156,10 +156,10 @@ class KDAKernel:
         tokens and one of 8195: 1.50 ms with it last, 1.32 ms with it first). Ranking is one small launch
         before prepare, so it is skipped where it cannot help: one sequence, or a grid that fits one CTA per
         SM; and past MAX_RANKED_SEQS sequences. `KDAGEN_SEQ_ORDER` overrides."""
-        policy = paths.seq_order()
-        if policy == "input" or not 2 <= nseq <= MAX_RANKED_SEQS:
+        if not 2 <= nseq <= MAX_RANKED_SEQS:  # checked first: a one-sequence call reads no environment
             return False
-        return policy == "length" or rec_ctas > sms
+        policy = paths.seq_order()
+        return policy == "length" or (policy == "auto" and rec_ctas > sms)
 
     def _sm_count(self, device: torch.device) -> int:
         return self._cached(
