@@ -150,10 +150,10 @@ def test_intracard_cp(
     _check_against_reference(spec_name, case)
 
 
-# Longest-first recurrence, forced on small inputs (KDAGEN_SEQ_ORDER=length): prepare ranks the sequences by
-# length on the device and grid slice z of the recurrence runs the z-th longest. Ties, empty and length-1
-# sequences, the longest last. Each (sequence, head, V-slice) is computed the same way wherever its CTA sits
-# in the grid, so the results must equal those of the input order bit for bit, in both families.
+# Longest-first recurrence, forced on small inputs (KDAGEN_SEQ_ORDER=length): the order stage ranks the
+# sequences by length on the device and grid slice z of the recurrence runs the z-th longest. Ties, empty
+# and length-1 sequences, the longest last. Each (sequence, head, V-slice) is computed the same way wherever
+# its CTA sits in the grid, so the results must equal those of the input order bit for bit, in both families.
 ORDER_CASES = [
     ("lb_safe", cases.VL((0, 5, 5, 70, 70, 135, 1200), 2, init=True)),
     ("p_reset_vk_bbf16", cases.VL((0, 1, 17, 33, 900), 2, init=True, mask_p=0.3, hard_reset=True)),
