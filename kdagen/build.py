@@ -61,9 +61,13 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
     objects: dict[str, bytes] = {}
     shared: dict[str, bytes] = {}
     seconds = 0.0
+    # Every rendered file first: a stage may import another stage's module from beside it.
     for stage in plan.stages:
+        (src / f"{stage.name}.py").write_text(rendered[f"{stage.name}.py"])
+    for stage in plan.stages:
+        if not stage.compiled:
+            continue
         path = src / f"{stage.name}.py"
-        path.write_text(rendered[path.name])
         try:
             result = compile_stage_file(path, spec.arch)
         except Exception as e:  # the DSL raises many types; report the stage and the spec

@@ -22,9 +22,9 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
-# Most sequences the order stage ranks (longest first for the recurrence's grid): it stages cu_seqlens in
-# shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound the runtime
-# keeps the input order.
+# Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
+# cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
+# the runtime keeps the input order.
 MAX_RANKED_SEQS = 4096
 
 
@@ -33,6 +33,9 @@ class StagePlan:
     name: str  # also the rendered file name (<name>.py) and the cache artifact name (<name>.o)
     template: str  # path under templates/
     params: dict[str, Any] = field(default_factory=dict)
+    # False: a module other stages import (its kernels are compiled into theirs); rendered and checked like
+    # every stage, but neither compiled on its own nor loaded by the runtime.
+    compiled: bool = True
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class Plan:
 
     @property
     def stage_names(self) -> list[str]:
-        return [s.name for s in self.stages]
+        """The compiled stages: the cache entry's artifacts and the runtime's callables."""
+        return [s.name for s in self.stages if s.compiled]
 
 
 # Why `auto` picks a target's first family. On sm_90a both families build every spec and pass the same tests;
@@ -203,13 +207,27 @@ def make_plan(spec: KernelSpec) -> Plan:
     if family == "wgmma":
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
-    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params)
-    # The sequences ranked by length on the device, launched before prepare when the recurrence's grid does
-    # not fit the SMs at once (the runtime decides: KDAKernel._by_length).
-    order = StagePlan("order", f"{shared}/order.py.j2", {"max_seqs": MAX_RANKED_SEQS})
+    # The recurrence is compiled into `forward` (below), not launched on its own.
+    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params, compiled=False)
+    # The whole-sequence path in one host call: the ready flags zeroed and, when the runtime asks for it
+    # (KDAKernel._by_length), the sequences ranked longest first; then prepare and the recurrence beside it.
+    forward = StagePlan(
+        "forward",
+        "common/forward.py.j2",
+        {
+            **common,
+            "gate": spec.gate,
+            "g_dtype": _DSL_DTYPE[spec.g_dtype],
+            "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
+            "state_layout": spec.state_layout,
+            "max_seqs": MAX_RANKED_SEQS,
+        },
+    )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
-    # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass.
+    # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass (after prepare).
     prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
     merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
     segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
-    return Plan(family=family, reason=reason, stages=(order, prepare, recurrence, prescan, merge, segments))
+    return Plan(
+        family=family, reason=reason, stages=(prepare, recurrence, forward, prescan, merge, segments)
+    )

@@ -121,7 +121,8 @@ def _header(spec: KernelSpec, plan: PlanLike, stage: StagePlanLike, deps: dict[s
         *_comment(spec.canonical_json()),
         "#",
         f"# plan: family {plan.family}; stage {stage.name!r} "
-        f"({[s.name for s in plan.stages].index(stage.name) + 1} of {len(plan.stages)})",
+        f"({[s.name for s in plan.stages].index(stage.name) + 1} of {len(plan.stages)})"
+        + ("" if getattr(stage, "compiled", True) else "; a module other stages import, not compiled alone"),
         "# plan reason:",
         *_comment(plan.reason, width=100),
         "# stage params:",

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kdagen import paths
+from kdagen import paths, workspace
 from kdagen.errors import InputError
 from kdagen.plan import CHUNK, MAX_RANKED_SEQS, Plan
 from kdagen.spec import KernelSpec
@@ -59,6 +59,11 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _carve(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # A typed view of the workspace bytes at `offset` (see kdagen.workspace).
+    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
 def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> None:
     """Check the values of ``cu_seqlens`` (reads them on the host: synchronises if they live on a GPU)."""
     vals = cu_seqlens.detach().to("cpu", torch.int64)
@@ -85,9 +90,8 @@ class KDAKernel:
         self.spec = spec
         self.plan = plan
         self.name = name
-        self._order = stages["order"]
-        self._prepare = stages["prepare"]
-        self._recurrence = stages["recurrence"]
+        self._forward = stages["forward"]  # the whole-sequence path: setup, prepare, recurrence in one call
+        self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         params = {s.name: s.params for s in plan.stages}
         self._v_slices = spec.head_dim_v // params["recurrence"]["block_v"]
@@ -95,6 +99,7 @@ class KDAKernel:
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
         self._prepare_heads_per_cta = params["prepare"]["heads_per_cta"]
         self._dummies: dict[tuple, torch.Tensor] = {}
+        self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
         import tvm_ffi
 
         self._ffi = tvm_ffi
@@ -149,13 +154,15 @@ class KDAKernel:
 
     @staticmethod
     def _by_length(nseq: int, rec_ctas: int, sms: int) -> bool:
-        """Whether the recurrence takes sequences longest first (the order stage ranks them on the device).
+        """Whether the recurrence takes sequences longest first (the forward stage's setup kernel ranks them
+        on the device).
 
         The recurrence's CTAs start in grid order, so when its grid does not fit the SMs at once a long
         sequence late in `cu_seqlens` starts late and runs alone at the end (H100, H=64, 19 sequences of 431
-        tokens and one of 8195: 1.50 ms with it last, 1.32 ms with it first). Ranking is one small launch
-        before prepare, so it is skipped where it cannot help: one sequence, or a grid that fits one CTA per
-        SM; and past MAX_RANKED_SEQS sequences. `KDAGEN_SEQ_ORDER` overrides."""
+        tokens and one of 8195: 1.50 ms with it last, 1.32 ms with it first). Ranking adds O(N) work per
+        sequence to the setup kernel that zeroes the ready flags, so it is skipped where it cannot help: one
+        sequence, or a grid that fits one CTA per SM; and past MAX_RANKED_SEQS sequences.
+        `KDAGEN_SEQ_ORDER` overrides."""
         if not 2 <= nseq <= MAX_RANKED_SEQS:  # checked first: a one-sequence call reads no environment
             return False
         policy = paths.seq_order()
@@ -259,43 +266,34 @@ class KDAKernel:
         if cu_seqlens is None:
             cu = self._cached(("cu", device, bsz, seqlen), lambda: torch.arange(
                 0, total + 1, seqlen, dtype=torch.int32, device=device))
-        else:
+        elif cu_seqlens.dtype != torch.int32 or cu_seqlens.device != device:
             cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        else:
+            cu = cu_seqlens
         cu = _prepared(cu)
+        q, k, v, g, beta = _prepared(q), _prepared(k), _prepared(v), _prepared(g), _prepared(beta)
 
-        q2 = _prepared(q).view(total, nh, kdim)
-        k2 = _prepared(k).view(total, nh, kdim)
-        v2 = _prepared(v).view(total, hv, vdim)
-        g2 = _prepared(g).view(total, hv, kdim)
-        b2 = _prepared(beta).view(total, hv)
-
-        # ---- workspaces (kda-math.md §2.3 folded form, per 16-token tile) ----
-        num_tile_slots = total // CHUNK + nseq + 1  # bound of the tile-id map floor(bos/16) + seq + step
-        # kd, qd and Ak^T in one allocation: allocator calls are a visible part of a small call's host time.
-        kd, qd, akt = torch.empty((3, total, hv, kdim), dtype=dt, device=device).unbind(0)
-        aq = torch.empty((total, hv, CHUNK), dtype=dt, device=device)
-        gt = torch.empty((num_tile_slots, hv, kdim), dtype=torch.float32, device=device)
-        # Per (tile, value head): set by prepare once the tile's outputs are written; the recurrence, which
-        # may start while prepare still runs, waits on them. Zeroed here, before prepare (one memset), with
-        # N + 1 entries behind them (16-byte aligned) for the order stage's longest-first order.
-        num_flags = num_tile_slots * hv
-        order_at = -(-num_flags // 4) * 4
-        flags = torch.zeros(order_at + nseq + 1, dtype=torch.int32, device=device)
-        ready = flags[:num_flags].view(num_tile_slots, hv)
-        order = flags[order_at:]
-
-        args = [q2, k2, g2, b2]
+        gate_args: tuple[torch.Tensor, ...] = ()
         if spec.gate != "precomputed":
             a_log = A_log if A_log is not None else self._cached(
                 ("zeros", device, hv), lambda: torch.zeros(hv, dtype=torch.float32, device=device))
-            bias = dt_bias.reshape(hv, kdim) if dt_bias is not None else self._cached(
-                ("zeros", device, hv, kdim),
-                lambda: torch.zeros(hv, kdim, dtype=torch.float32, device=device),
-            )
-            args += [_prepared(a_log), _prepared(bias)]
+            if dt_bias is None:
+                bias = self._cached(("zeros", device, hv, kdim),
+                                    lambda: torch.zeros(hv, kdim, dtype=torch.float32, device=device))
+            else:
+                bias = dt_bias if dt_bias.shape == (hv, kdim) else dt_bias.reshape(hv, kdim)
+            gate_args = (_prepared(a_log), _prepared(bias))
         unused = self._cached(("state", device, hv), lambda: torch.zeros(
             self._state_shape(1, hv), dtype=torch.float32, device=device))
         h0 = _prepared(initial_state) if initial_state is not None else unused
+
+        # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
+        ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
+        buf = torch.empty(ws.size, dtype=torch.uint8, device=device)
+        o = torch.empty((bsz, seqlen, hv, vdim), dtype=dt, device=device)
+        ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
+            if output_final_state else None
+        ht_arg = ht if ht is not None else unused
 
         # The stages launch on TVM-FFI's environment stream, which must be torch's current stream (calls then
         # order with surrounding torch work and are recorded by CUDA-graph capture). A torch with the DLPack
@@ -309,35 +307,36 @@ class KDAKernel:
         sms = self._sm_count(device)
         rec_ctas = nseq * hv * self._v_slices  # the recurrence grid (sequences x heads x V-slices)
         seg_len = self._cp_segment_len(nseq, total, rec_ctas, sms)
-        # Prepare is a persistent grid (every CTA resident at once), and on the plain path it lets the
-        # recurrence launch at once (the recurrence follows the ready flags). When the recurrence grid fits
-        # one CTA per SM, prepare takes fewer CTAs per SM so that the two run side by side; otherwise the
-        # recurrence's CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them.
-        early = int(seg_len is None)
-        by_length = int(seg_len is None and self._by_length(nseq, rec_ctas, sms))
-        policy = paths.overlap()
-        beside = seg_len is None and (policy == "on" or (policy == "auto" and rec_ctas <= sms))
-        items = num_tile_slots * -(-hv // self._prepare_heads_per_cta)
-        prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
+        items = ws.tile_slots * -(-hv // self._prepare_heads_per_cta)
         with stream_scope:
-            if by_length:
-                self._order(cu, order)
-            self._prepare(*args, cu, kd, qd, akt, aq, gt, ready, float(scale), prepare_ctas, early)
-            # The outputs are allocated while the GPU already runs prepare. Tokens past cu_seqlens[-1] (engine
-            # padding) get o = 0 from the recurrence stage itself.
-            o = torch.empty((total, hv, vdim), dtype=dt, device=device)
-            ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
-                if output_final_state else None
-            ht_arg = ht if ht is not None else unused
             if seg_len is None:
-                self._recurrence(kd, qd, akt, aq, gt, v2, cu, ready, order, h0, ht_arg, o,
-                                 int(initial_state is not None), int(ht is not None), by_length)
-            else:
-                prescan, merge, segments = self._cp
-                slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles
-                cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
-                seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
-                prescan(kd, qd, akt, aq, gt, v2, cu, cp_maps, seg_len)
-                merge(cp_maps, cu, h0, seg_h0, int(initial_state is not None), seg_len)
-                segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, o, seg_len, int(ht is not None))
-        return o.view(bsz, seqlen, hv, vdim), ht
+                # Prepare is a persistent grid (every CTA resident at once) that lets the recurrence launch at
+                # once (the recurrence follows the ready flags). When the recurrence grid fits one CTA per SM,
+                # prepare takes fewer CTAs per SM so that the two run side by side; otherwise the recurrence's
+                # CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them. Tokens past
+                # cu_seqlens[-1] (engine padding) get o = 0 from the recurrence itself.
+                policy = paths.overlap()
+                beside = policy == "on" or (policy == "auto" and rec_ctas <= sms)
+                prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
+                self._forward(q, k, g, beta, *gate_args, cu, v, h0, ht_arg, o, buf, ws.qd, ws.akt, ws.aq,
+                              ws.gt, ws.ready, ws.order, float(scale), prepare_ctas, 1,
+                              int(initial_state is not None), int(ht is not None),
+                              int(self._by_length(nseq, rec_ctas, sms)))
+                return o, ht
+            kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
+            aq = _carve(buf, ws.aq, dt, (total, hv, CHUNK))
+            gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))
+            ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare, unread here
+            v2, o2 = v.view(total, hv, vdim), o.view(total, hv, vdim)
+            prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
+            self._prepare(q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
+                          beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready, float(scale),
+                          prepare_ctas, 0)
+            prescan, merge, segments = self._cp
+            slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles
+            cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
+            seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+            prescan(kd, qd, akt, aq, gt, v2, cu, cp_maps, seg_len)
+            merge(cp_maps, cu, h0, seg_h0, int(initial_state is not None), seg_len)
+            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, o2, seg_len, int(ht is not None))
+        return o, ht

@@ -114,11 +114,13 @@ def test_entries_and_clean(tmp_path: Path):
 # Workers are module-level functions so that any start method can pickle them.
 
 
-def _build_under_lock(root: str, log: str, hold: float) -> str:
+def _build_under_lock(root: str, log: str, hold: float, started: str | None = None) -> str:
     """What a builder does: lookup; lock; lookup again; build and publish only if still missing."""
     cache = ArtifactCache(root)
     if cache.lookup(SPEC, KEY, STAGES) is not None:
         return "hit"
+    if started:  # tells the test that the first lookup missed and the lock comes next
+        Path(started).touch()
     with cache.lock(SPEC, KEY):
         if cache.lookup(SPEC, KEY, STAGES) is not None:
             return "hit-after-lock"
@@ -143,10 +145,17 @@ def test_lock_recheck(tmp_path: Path):
     """A second builder that waits on the lock finds the first one's entry and does not build."""
     log = tmp_path / "builds.log"
     cache = ArtifactCache(tmp_path / "cache")
+    started = tmp_path / "started"
     with _ctx().Pool(1) as pool:
         with cache.lock(SPEC, KEY):
-            pending = pool.apply_async(_build_under_lock, (str(cache.root), str(log), 0.0))
-            time.sleep(0.5)  # the worker is now blocked on the lock
+            pending = pool.apply_async(_build_under_lock, (str(cache.root), str(log), 0.0, str(started)))
+            # A spawned worker can take seconds to start on a loaded machine: wait until it has missed the
+            # entry, then give it time to block on the lock.
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert started.exists(), "the worker never started"
+            time.sleep(0.5)
             assert not log.exists()
             cache.publish(SPEC, KEY, ARTIFACTS)  # we are the builder
         assert pending.get(timeout=60) == "hit-after-lock"

@@ -179,6 +179,9 @@ def _first_variant(file_name: str, arch: str) -> tuple[str, KernelSpec]:
     pytest.fail(f"no {arch} variant in specs/{file_name}")
 
 
+_SIBLING_RE = re.compile(r'^\w+ = _sibling\("(\w+)"\)$', flags=re.M)
+
+
 def _expected_mmas(source: str) -> set[str]:
     """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms."""
     out = set()
@@ -248,14 +251,16 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
         targets = re.findall(r"^\.target\s+(\S+)", ptx, flags=re.M)
         assert targets == [arch], f"{vid} {stage}: .target lines {targets}, expected [{arch}]"
         assert "tcgen05" not in ptx, f"{vid} {stage}: PTX contains tcgen05"
-        if templates[stage].startswith("wgmma/"):
+        # A stage's kernels: its own and those of the stage modules it imports (forward: prepare, recurrence).
+        parts = [stage, *_SIBLING_RE.findall(rendered[f"{stage}.py"])]
+        if any(templates[part].startswith("wgmma/") for part in parts):
             wg = "wgmma.mma_async.sync.aligned"
             for needed in (f"{wg}.m64n16k16.f32", f"{wg}.m64n{spec.head_dim_k}k16", "cp.async.bulk.tensor"):
                 assert needed in ptx, f"{vid} {stage}: PTX lacks {needed} (wgmma family)"
         else:
-            assert "wgmma" not in ptx, f"{vid} {stage}: PTX contains wgmma (mma_sync template)"
+            assert "wgmma" not in ptx, f"{vid} {stage}: PTX contains wgmma (mma_sync templates only)"
         found = set(_MMA_RE.findall(ptx))
-        expected = _expected_mmas(rendered[f"{stage}.py"])
+        expected = set().union(*(_expected_mmas(rendered[f"{part}.py"]) for part in parts))
         print(f"{vid} {stage} ({arch}): {sorted(found)}")
         assert found == expected, f"{vid} {stage}: PTX has {sorted(found)}, source asks {sorted(expected)}"
         if stage == "prepare":

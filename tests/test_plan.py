@@ -21,9 +21,9 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
     assert plan.family == "wgmma"
     assert "mma_sync" in plan.reason  # says what the shared stages are
     assert _templates(KernelSpec(arch="sm_90a")) == {
-        "order": "mma_sync/order.py.j2",
         "prepare": "mma_sync/prepare.py.j2",
         "recurrence": "wgmma/recurrence.py.j2",
+        "forward": "common/forward.py.j2",
         "cp_prescan": "mma_sync/recurrence.py.j2",
         "cp_merge": "mma_sync/cp_merge.py.j2",
         "cp_segments": "mma_sync/recurrence.py.j2",
@@ -34,7 +34,19 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
 def test_other_targets_are_mma_sync(arch: str):
     plan = make_plan(KernelSpec(arch=arch))
     assert plan.family == "mma_sync"
-    assert all(t.startswith("mma_sync/") for t in _templates(KernelSpec(arch=arch)).values())
+    templates = _templates(KernelSpec(arch=arch))
+    assert templates.pop("forward") == "common/forward.py.j2"
+    assert all(t.startswith("mma_sync/") for t in templates.values())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_recurrence_is_compiled_into_forward_only(arch: str):
+    # The whole-sequence path is one launch (`forward` imports the variant's prepare and recurrence modules);
+    # prepare stays a stage of its own for the intra-card CP path.
+    plan = make_plan(KernelSpec(arch=arch))
+    names = [s.name for s in plan.stages]
+    assert names.index("forward") > max(names.index("prepare"), names.index("recurrence"))
+    assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments"]
 
 
 def test_mma_sync_selectable_on_sm90a():

@@ -1,0 +1,48 @@
+"""The byte layout of a call's workspace: the per-tile intermediates prepare writes and the recurrence reads.
+
+One allocation per call holds them all (allocator calls are a visible part of a small call's host time).
+The `forward` stage receives the byte offsets and carves its tensors there; the intra-card CP path views the
+same layout through torch. Every offset is a multiple of 16 bytes (the stages' vector and TMA accesses).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# Tokens per tile, as the planner fixes it (kdagen.plan.CHUNK; repeated here to keep this module free of
+# imports on the call path, and checked equal by the tests).
+CHUNK = 16
+ALIGN = 16
+
+
+def _up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Workspace(NamedTuple):
+    """Byte offsets of each buffer (kd starts at 0) and the total size.
+
+    kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
+    order: [N + 1] int32; S = T // 16 + N + 1 tile slots (the bound of the tile-id map floor(bos/16) + seq
+    + step).
+    """
+
+    qd: int
+    akt: int
+    aq: int
+    gt: int
+    ready: int
+    order: int
+    size: int
+    tile_slots: int
+
+
+def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_bytes: int) -> Workspace:
+    tile_slots = total // CHUNK + num_seqs + 1
+    plane = _up(total * num_v_heads * head_dim_k * elem_bytes)
+    aq = 3 * plane
+    gt = aq + _up(total * num_v_heads * CHUNK * elem_bytes)
+    ready = gt + _up(tile_slots * num_v_heads * head_dim_k * 4)
+    order = ready + _up(tile_slots * num_v_heads * 4)
+    size = order + _up((num_seqs + 1) * 4)
+    return Workspace(plane, 2 * plane, aq, gt, ready, order, size, tile_slots)
