@@ -7,6 +7,7 @@ same layout through torch. Every offset is a multiple of 16 bytes (the stages' v
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 # Tokens per tile, as the planner fixes it (kdagen.plan.CHUNK; repeated here to keep this module free of
@@ -37,6 +38,7 @@ class Workspace(NamedTuple):
     tile_slots: int
 
 
+@functools.lru_cache(maxsize=256)  # a call site sees few distinct sizes; the lookup is cheaper than the sums
 def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_bytes: int) -> Workspace:
     tile_slots = total // CHUNK + num_seqs + 1
     plane = _up(total * num_v_heads * head_dim_k * elem_bytes)

@@ -394,11 +394,29 @@ def test_bad_input_raises_input_error(
     from kdagen.errors import InputError
 
     kernel = cases.kernel_for("lb_safe")
+    # A valid call first, with cu_seqlens on the GPU, so that its signature is in the kernel's validated
+    # set: the mutated call below must still be checked in full.
+    valid = _valid_inputs()
+    valid["cu_seqlens"] = valid["cu_seqlens"].cuda()
+    cases.run_kernel(kernel, valid, True)
     inp = _valid_inputs()
     mutate(inp)
     with pytest.raises(InputError) as err:
         cases.run_kernel(kernel, inp, True)
     assert _names_argument(str(err.value), names), f"message should name one of {names}: {err.value}"
+
+
+def test_repeated_signature_skips_checks_but_not_results() -> None:
+    """A second call with the same argument properties takes the validated fast path (the first one put its
+    signature in the kernel's set) and computes the same result."""
+    kernel = cases.kernel_for("lb_safe")
+    inp = _valid_inputs()
+    inp["cu_seqlens"] = inp["cu_seqlens"].cuda()
+    first = cases.run_kernel(kernel, inp, True)
+    assert len(kernel._validated) >= 1
+    second = cases.run_kernel(kernel, inp, True)
+    torch.cuda.synchronize()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
 def test_gva_ratio_mismatch_raises_input_error() -> None:
