@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdagen import workspace
 from kdagen.arch import get_arch
 from kdagen.spec import KernelSpec
 
@@ -221,6 +222,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
             "state_layout": spec.state_layout,
             "max_seqs": MAX_RANKED_SEQS,
+            "workspace_row": workspace.ROW,  # bytes per row of the [rows, ROW] workspace (kdagen.workspace)
         },
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most

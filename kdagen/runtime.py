@@ -345,7 +345,7 @@ class KDAKernel:
 
         # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
         ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
-        buf = torch.empty(ws.size, dtype=torch.uint8, device=device)
+        buf = torch.empty((ws.size // workspace.ROW, workspace.ROW), dtype=torch.uint8, device=device)
         o = torch.empty((bsz, seqlen, hv, vdim), dtype=dt, device=device)
         ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
             if output_final_state else None
@@ -379,6 +379,7 @@ class KDAKernel:
                               int(initial_state is not None), int(ht is not None),
                               int(self._by_length(nseq, rec_ctas, sms)))
                 return o, ht
+            buf = buf.view(-1)
             kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
             aq = _carve(buf, ws.aq, dt, (total, hv, CHUNK))
             gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))

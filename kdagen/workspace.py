@@ -14,6 +14,9 @@ from typing import NamedTuple
 # imports on the call path, and checked equal by the tests).
 CHUNK = 16
 ALIGN = 16
+# The workspace is allocated as [size / ROW, ROW] bytes: TVM-FFI checks every dim of a tensor argument against
+# the int32 range, and a flat byte tensor would cap a call's workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
+ROW = 256
 
 
 def _up(n: int) -> int:
@@ -21,7 +24,7 @@ def _up(n: int) -> int:
 
 
 class Workspace(NamedTuple):
-    """Byte offsets of each buffer (kd starts at 0) and the total size.
+    """Byte offsets of each buffer (kd starts at 0) and the total size (a multiple of ROW).
 
     kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
     order: [N + 1] int32; S = T // 16 + N + 1 tile slots (the bound of the tile-id map floor(bos/16) + seq
@@ -46,5 +49,5 @@ def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_by
     gt = aq + _up(total * num_v_heads * CHUNK * elem_bytes)
     ready = gt + _up(tile_slots * num_v_heads * head_dim_k * 4)
     order = ready + _up(tile_slots * num_v_heads * 4)
-    size = order + _up((num_seqs + 1) * 4)
+    size = -(-(order + (num_seqs + 1) * 4) // ROW) * ROW
     return Workspace(plane, 2 * plane, aq, gt, ready, order, size, tile_slots)

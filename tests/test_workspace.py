@@ -34,4 +34,4 @@ def test_buffers_are_aligned_disjoint_and_in_bounds(total: int, heads: int, seqs
     for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
         assert end <= start, f"{name} overlaps {nxt}"
     assert spans[-1][1] <= ws.size
-    assert all(off % 16 == 0 for off in starts.values()) and ws.size % 16 == 0
+    assert all(off % 16 == 0 for off in starts.values()) and ws.size % workspace.ROW == 0

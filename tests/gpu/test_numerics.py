@@ -436,3 +436,40 @@ def test_valid_inputs_pass() -> None:
     o, ht = cases.run_kernel(cases.kernel_for("lb_safe"), _valid_inputs(), True)
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all() and ht is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Large calls
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_workspace_past_2_gib_matches_the_sequence_alone() -> None:
+    """A call whose workspace exceeds 2 GiB (a flat byte tensor would not pass TVM-FFI's int32 shape check):
+    its last, short sequence equals the same sequence run alone, bit for bit (a sequence's result does not
+    depend on the others in the call). 65536 tokens x 64 heads: ~3.6 GB of workspace, ~9 GB in all."""
+    from kdagen import workspace
+
+    kernel = cases.kernel_for("lb_safe_gbf16")
+    heads, dim, lens = 64, 128, (65472, 64)
+    ws = workspace.layout(sum(lens), heads, len(lens), dim, 2)
+    assert ws.size > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    total = sum(lens)
+
+    def rnd(*shape: int, scale: float = 0.5) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    q, k, v = (rnd(1, total, heads, dim) for _ in range(3))
+    g = (-torch.rand(1, total, heads, dim, device="cuda", generator=gen)).to(torch.bfloat16)
+    beta = torch.rand(1, total, heads, device="cuda", generator=gen)
+    kw = {"A_log": torch.zeros(heads, device="cuda"), "dt_bias": torch.zeros(heads * dim, device="cuda"),
+          "output_final_state": True}
+    cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device="cuda")
+    o, ht = kernel(q, k, v, g, beta, cu_seqlens=cu, **kw)
+    s = lens[0]
+    alone = [x[:, s:].contiguous() for x in (q, k, v, g, beta)]
+    o1, ht1 = kernel(*alone, cu_seqlens=torch.tensor([0, lens[1]], dtype=torch.int32, device="cuda"), **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o1.float()).all() and o1.float().abs().max() > 0
+    assert torch.equal(o[:, s:], o1), "o of the last sequence differs from the sequence alone"
+    assert torch.equal(ht[1], ht1[0]), "final state of the last sequence differs from the sequence alone"
