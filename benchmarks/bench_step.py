@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[1, 4, 16, 64, 128])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--family", choices=("auto", "wgmma", "mma_sync"), default="auto",
+                    help="template family of the recurrence (auto: the planner's choice, wgmma on sm_90a)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step: no CUDA GPU visible; nothing to run")
@@ -63,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     import kdagen
     from kdagen.reference import make_inputs
 
-    kernel = kdagen.get_kernel(SPEC)
+    kernel = kdagen.get_kernel({**SPEC, "family": args.family})
     steps = -(-args.tokens // 16)
     rows = []
-    print(f"{torch.cuda.get_device_name()}: one sequence of {args.tokens} tokens ({steps} steps), K=V=128")
+    print(f"{torch.cuda.get_device_name()}: one sequence of {args.tokens} tokens ({steps} steps), K=V=128, "
+          f"family {kernel.plan.family}")
     print(f"{'heads':>5} {'cp':>4} {'prepare ms':>11} {'recurrence ms':>14} {'merge ms':>9} {'us/step':>8}")
     for heads in args.heads:
         inp = make_inputs(1, args.tokens, heads, heads, 128, 128, dtype="bf16", beta_dtype="fp32",
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("KDAGEN_INTRACARD_CP", None)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = {"device": torch.cuda.get_device_name(), "tokens": args.tokens, "rows": rows}
+        data = {"device": torch.cuda.get_device_name(), "tokens": args.tokens, "family": kernel.plan.family,
+                "rows": rows}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
         args.json.with_suffix(".md").write_text(markdown(data))
         print(f"wrote {args.json} and {args.json.with_suffix('.md')}")
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(data: dict) -> str:
     """The result table as Markdown, committed next to the JSON."""
     lines = [
-        f"# Recurrence per-step latency, {data['device']}", "",
+        f"# Recurrence per-step latency, {data['device']}, family {data.get('family', 'wgmma')}", "",
         f"One sequence of {data['tokens']} tokens ({-(-data['tokens'] // 16)} steps of 16 tokens), K=V=128, "
         "bf16, headline spec; device time per call from the CUDA profiler (`benchmarks/bench_step.py`). "
         "With `cp=off` the recurrence is the serial chain, so its time per step is the step latency; "

@@ -52,11 +52,12 @@ class Plan:
 
 
 # Why `auto` picks a target's first family. On sm_90a both families build every spec and pass the same tests;
-# wgmma is first because its recurrence is the faster one (H100, 2026-11-26, benchmarks/bench_step.py at
-# T=16384, same run: 0.85 against 1.0 us per step at 1 head; 1.12 against 1.62 ms at 64 heads beside prepare).
+# wgmma is first because its recurrence is the faster one (H100, 2026-11-26, benchmarks/bench_step.py
+# --family, T=16384, same machine: 0.57 against 0.72 us per step at 1 head; at 64 heads beside prepare the
+# recurrence ends at 1.19 against 1.46 ms, benchmarks/results/h100-2026-11-26-recurrence-step-family-*).
 _AUTO_REASONS = {
-    ("sm_90a", "wgmma"): "Hopper: the recurrence on warpgroup MMA fed by TMA from a producer warp (0.85 vs "
-    "1.0 us per step for mma_sync on an H100); prepare and the intra-card CP stages are the mma_sync ones",
+    ("sm_90a", "wgmma"): "Hopper: the recurrence on warpgroup MMA fed by TMA from a producer warp (0.57 vs "
+    "0.72 us per step for mma_sync on an H100); prepare and the intra-card CP stages are the mma_sync ones",
 }
 
 
