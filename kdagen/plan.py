@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdagen import workspace
 from kdagen.arch import get_arch
 from kdagen.spec import KernelSpec
 
@@ -27,6 +26,10 @@ BLOCK_V = 64
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
 MAX_RANKED_SEQS = 4096
+# A call's workspace is allocated as [bytes / WORKSPACE_ROW, WORKSPACE_ROW] uint8 (kdagen.workspace): TVM-FFI
+# checks every dim of a tensor argument against the int32 range, and a flat byte tensor would cap a call's
+# workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
+WORKSPACE_ROW = 256
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
             "state_layout": spec.state_layout,
             "max_seqs": MAX_RANKED_SEQS,
-            "workspace_row": workspace.ROW,  # bytes per row of the [rows, ROW] workspace (kdagen.workspace)
+            "workspace_row": WORKSPACE_ROW,  # bytes per row of the call's workspace
         },
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most

@@ -10,13 +10,11 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-# Tokens per tile, as the planner fixes it (kdagen.plan.CHUNK; repeated here to keep this module free of
-# imports on the call path, and checked equal by the tests).
-CHUNK = 16
+# Tokens per tile, and the workspace's row width (it is allocated as [size / ROW, ROW] bytes): the planner's.
+from kdagen.plan import CHUNK
+from kdagen.plan import WORKSPACE_ROW as ROW
+
 ALIGN = 16
-# The workspace is allocated as [size / ROW, ROW] bytes: TVM-FFI checks every dim of a tensor argument against
-# the int32 range, and a flat byte tensor would cap a call's workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
-ROW = 256
 
 
 def _up(n: int) -> int:
