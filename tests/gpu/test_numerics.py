@@ -448,23 +448,22 @@ def test_workspace_past_2_gib_matches_the_sequence_alone() -> None:
     its last, short sequence equals the same sequence run alone, bit for bit (a sequence's result does not
     depend on the others in the call). 65536 tokens x 64 heads: ~3.6 GB of workspace, ~9 GB in all."""
     from kdagen import workspace
+    from kdagen.reference import make_inputs
 
+    spec = cases.SPECS["lb_safe_gbf16"]
     kernel = cases.kernel_for("lb_safe_gbf16")
     heads, dim, lens = 64, 128, (65472, 64)
-    ws = workspace.layout(sum(lens), heads, len(lens), dim, 2)
-    assert ws.size > 2**31
-    gen = torch.Generator(device="cuda").manual_seed(7)
     total = sum(lens)
-
-    def rnd(*shape: int, scale: float = 0.5) -> torch.Tensor:
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
-
-    q, k, v = (rnd(1, total, heads, dim) for _ in range(3))
-    g = (-torch.rand(1, total, heads, dim, device="cuda", generator=gen)).to(torch.bfloat16)
-    beta = torch.rand(1, total, heads, device="cuda", generator=gen)
-    kw = {"A_log": torch.zeros(heads, device="cuda"), "dt_bias": torch.zeros(heads * dim, device="cuda"),
-          "output_final_state": True}
-    cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device="cuda")
+    ws = workspace.layout(total, heads, len(lens), dim, 2)
+    assert ws.size > 2**31
+    inp = make_inputs(
+        1, total, heads, heads, dim, dim, dtype=spec["dtype"], beta_dtype=spec["beta_dtype"],
+        g_dtype=spec["g_dtype"], gate=spec["gate"], safe_gate=spec["safe_gate"],
+        lower_bound=spec["lower_bound"], l2norm_qk=spec["l2norm_qk"], seed=7, device="cuda",
+        cu_seqlens=[0, lens[0], total],
+    )
+    q, k, v, g, beta, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    kw = {"A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "output_final_state": True}
     o, ht = kernel(q, k, v, g, beta, cu_seqlens=cu, **kw)
     s = lens[0]
     alone = [x[:, s:].contiguous() for x in (q, k, v, g, beta)]
