@@ -27,6 +27,7 @@ __all__ = [
     "ENV_DISABLE_JIT",
     "ENV_INTRACARD_CP",
     "ENV_OVERLAP",
+    "ENV_FUSED",
     "ENV_SEQ_ORDER",
     "ENV_GENERATED_DIR",
     "package_dir",
@@ -41,6 +42,7 @@ __all__ = [
     "find_spec_file",
     "intracard_cp",
     "overlap",
+    "fused",
     "seq_order",
 ]
 
@@ -49,6 +51,7 @@ ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
 ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
 ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
 ENV_OVERLAP = "KDAGEN_OVERLAP"
+ENV_FUSED = "KDAGEN_FUSED"
 ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -152,6 +155,16 @@ def overlap() -> str:
     value = os.environ.get(ENV_OVERLAP, "").strip().lower() or "auto"
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV_OVERLAP}: expected 'auto', 'on' or 'off', got {value!r}")
+    return value
+
+
+def fused() -> str:
+    """``KDAGEN_FUSED``: "auto" (default: where the variant has a fused prepare + recurrence kernel, the
+    forward stage's setup kernel runs it when the call's chains fill the SMs), "on" (the fused kernel on every
+    whole-sequence call of such a variant) or "off" (prepare and the recurrence)."""
+    value = os.environ.get(ENV_FUSED, "").strip().lower() or "auto"
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV_FUSED}: expected 'auto', 'on' or 'off', got {value!r}")
     return value
 
 

@@ -30,6 +30,24 @@ MAX_RANKED_SEQS = 4096
 # checks every dim of a tensor argument against the int32 range, and a flat byte tensor would cap a call's
 # workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
 WORKSPACE_ROW = 256
+# The fused prepare + recurrence kernel (templates/wgmma/fused.py.j2): four prepare warps beside the consumer
+# warpgroups, a six-stage ring, the column-block loop unrolled twice (H100, 2026-11-26, B=2 T=16384 H=64 in
+# one process: 2.06 ms against 2.11 with one block a trip, 2.16 with four; eight prepare warps, with the
+# registers split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp). The setup kernel runs
+# it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
+# path: the fused kernel took ~2.0 us a step where the two-stage path took ~2.4 us per balanced step
+# (2.06 against 2.37 ms at B=2 T=16384); the margin keeps the choice on the safe side of that ratio.
+FUSED_PREP_WARPS = 4
+FUSED_STAGES = 6
+FUSED_UNROLL_KB = 2
+FUSED_MARGIN = 1.1
+# ... and each chain is charged FUSED_FILL_STEPS more steps (its first tile is prepared before its first
+# step, and the four prepare warps start together). In the first benchmark with the fused kernel (H100,
+# 2026-11-26) it was slower than the two-stage path of the previous final run (another H100) at 32 steps a
+# chain (B=2 T=512: 0.129 against 0.092 ms) and at ten waves of 13 steps (20 x 204 tokens: 0.393 against
+# 0.346), faster from 64 steps on (B=2 T=1024: 0.158 against 0.167; 10 x 819: 0.587 against 0.613);
+# 3 steps separates them all.
+FUSED_FILL_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,12 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
+def _has_fused(family: str, spec: KernelSpec) -> bool:
+    """The fused kernel exists for the wgmma family with the safe gate: the anchored (non-safe) path's fp32
+    tiles would not fit in shared memory beside the ring."""
+    return family == "wgmma" and spec.safe_gate
+
+
 def _merge_params(spec: KernelSpec) -> dict:
     """The CP merge walks the segment maps one after another, so its step latency is what counts.
 
@@ -159,6 +183,9 @@ def _merge_params(spec: KernelSpec) -> dict:
 
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
+    fused = _has_fused(family, spec)
+    if fused:
+        reason += "; with a fused prepare + recurrence kernel, run when the chains fill the SMs (setup picks)"
     common = _common_params(spec)
     ctas = _prepare_ctas_per_sm(spec)
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
@@ -196,6 +223,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             # Column blocks per trip of the rolled block loop (1: smallest code; the instruction cache is the
             # limit at 16 warps per SM).
             "unroll_kb": 1,
+            # With a fused kernel, forward's prepare exits at once when the setup kernel chose it.
+            "fused": fused,
         },
     )
     block_v = min(BLOCK_V, spec.head_dim_v)
@@ -208,7 +237,7 @@ def make_plan(spec: KernelSpec) -> Plan:
     }
     # The recurrence runs beside prepare (programmatic dependent launch, per-tile ready flags) and checks the
     # flags of 8 steps at once: one flag wait (an L2 round trip on the serial chain) per 8 steps.
-    seq_params = {**rec_params, "mode": "seq", "ready_group": 8, "pdl": pdl}
+    seq_params = {**rec_params, "mode": "seq", "ready_group": 8, "pdl": pdl, "fused": fused}
     if family == "wgmma":
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
@@ -227,13 +256,29 @@ def make_plan(spec: KernelSpec) -> Plan:
             "state_layout": spec.state_layout,
             "max_seqs": MAX_RANKED_SEQS,
             "workspace_row": WORKSPACE_ROW,  # bytes per row of the call's workspace
+            "fused": fused,
+            "fused_margin": FUSED_MARGIN,
+            "fused_fill_steps": FUSED_FILL_STEPS,
         },
+    )
+    # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).
+    fused_stage = StagePlan(
+        "fused",
+        "wgmma/fused.py.j2",
+        {
+            **prepare.params,
+            "block_v": BLOCK_V,
+            "state_layout": spec.state_layout,
+            "prep_warps": FUSED_PREP_WARPS,
+            "stages": FUSED_STAGES,
+            "unroll_kb": FUSED_UNROLL_KB,
+        },
+        compiled=False,
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass (after prepare).
     prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
     merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
     segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
-    return Plan(
-        family=family, reason=reason, stages=(prepare, recurrence, forward, prescan, merge, segments)
-    )
+    stages = (prepare, recurrence, *((fused_stage,) if fused else ()), forward, prescan, merge, segments)
+    return Plan(family=family, reason=reason, stages=stages)

@@ -121,6 +121,10 @@ class KDAKernel:
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
         self._prepare_heads_per_cta = params["prepare"]["heads_per_cta"]
+        # The fused prepare + recurrence kernel, when the variant has one (compiled into `forward`).
+        fused = params["forward"].get("fused")
+        self._fused_margin = params["forward"]["fused_margin"] if fused else None
+        self._fused_fill = params["forward"]["fused_fill_steps"] if fused else 0
         self._dummies: dict[tuple, torch.Tensor] = {}
         self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
         self._validated: dict[tuple, tuple[int, int, int, int, int]] = {}  # signature -> (B, T, H, HV, N)
@@ -175,6 +179,30 @@ class KDAKernel:
         segments = max(2, min(2 * fill, round(math.sqrt(steps / 4))))
         seg = -(-total // (segments * nseq))
         return max(1024, -(-seg // CHUNK) * CHUNK)
+
+    def _fused_args(self, nseq: int, hv: int, total: int, sms: int) -> tuple[int, ...]:
+        """The forward stage's (allow_fused, sms) arguments where the variant has a fused kernel, else none.
+
+        0 runs prepare and the recurrence; 1 lets the setup kernel choose from the lengths; 2 runs the fused
+        kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is settled
+        here from the sizes the host knows, which also spares it the fused kernel's launch (an exiting grid
+        of one 170 KB CTA per chain takes a wave per SM's worth of chains: ~30 us at 20 x 64 chains). The
+        setup kernel picks the fused kernel when max(longest + F, waves x (mean + F)) <= margin x sum x HV
+        / SMs (steps, F = the fill steps); here the mean is bounded below by total / 16 / N and the sum
+        above by total / 16 + N, so "no" here is "no" there.
+        """
+        if self._fused_margin is None:
+            return ()
+        policy = paths.fused()
+        if policy == "off":
+            return (0, sms)
+        if policy == "on":
+            return (2, sms)
+        chains = nseq * hv
+        waves = -(-chains // sms)
+        low = waves * (total / CHUNK / max(nseq, 1) + self._fused_fill)
+        high = self._fused_margin * (total / CHUNK + nseq) * hv / sms
+        return (int(nseq > 0 and low <= high), sms)
 
     @staticmethod
     def _by_length(nseq: int, rec_ctas: int, sms: int) -> bool:
@@ -377,7 +405,8 @@ class KDAKernel:
                 self._forward(q, k, g, beta, *gate_args, cu, v, h0, ht_arg, o, buf, ws.qd, ws.akt, ws.aq,
                               ws.gt, ws.ready, ws.order, float(scale), prepare_ctas, 1,
                               int(initial_state is not None), int(ht is not None),
-                              int(self._by_length(nseq, rec_ctas, sms)))
+                              int(self._by_length(nseq, rec_ctas, sms)),
+                              *self._fused_args(nseq, hv, total, sms))
                 return o, ht
             buf = buf.view(-1)
             kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))

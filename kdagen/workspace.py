@@ -25,8 +25,8 @@ class Workspace(NamedTuple):
     """Byte offsets of each buffer (kd starts at 0) and the total size (a multiple of ROW).
 
     kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
-    order: [N + 1] int32; S = T // 16 + N + 1 tile slots (the bound of the tile-id map floor(bos/16) + seq
-    + step).
+    order: [N + 1] int32 (the ranking, then at [N] the path the setup kernel chose); S = T // 16 + N + 1 tile
+    slots (the bound of the tile-id map floor(bos/16) + seq + step).
     """
 
     qd: int

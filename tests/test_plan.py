@@ -23,6 +23,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
     assert _templates(KernelSpec(arch="sm_90a")) == {
         "prepare": "mma_sync/prepare.py.j2",
         "recurrence": "wgmma/recurrence.py.j2",
+        "fused": "wgmma/fused.py.j2",
         "forward": "common/forward.py.j2",
         "cp_prescan": "mma_sync/recurrence.py.j2",
         "cp_merge": "mma_sync/cp_merge.py.j2",
@@ -45,8 +46,62 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     # prepare stays a stage of its own for the intra-card CP path.
     plan = make_plan(KernelSpec(arch=arch))
     names = [s.name for s in plan.stages]
-    assert names.index("forward") > max(names.index("prepare"), names.index("recurrence"))
+    imported = ("prepare", "recurrence", "fused")
+    assert names.index("forward") > max(names.index(n) for n in imported if n in names)
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "family", "safe_gate", "fused"),
+    [("sm_90a", "auto", True, True), ("sm_90a", "wgmma", True, True), ("sm_90a", "auto", False, False),
+     ("sm_90a", "mma_sync", True, False), ("sm_80", "auto", True, False), ("sm_100a", "auto", True, False)],
+)
+def test_fused_kernel_only_for_wgmma_with_the_safe_gate(arch: str, family: str, safe_gate: bool, fused: bool):
+    # The fused prepare + recurrence kernel is compiled into `forward` (never a stage of its own), and the
+    # stages that must agree on the mode word (forward's setup kernel, prepare, the recurrence) all know it.
+    spec = KernelSpec(arch=arch, family=family, safe_gate=safe_gate,
+                      **({} if safe_gate else {"gate": "softplus", "lower_bound": None}))
+    plan = make_plan(spec)
+    params = {s.name: s.params for s in plan.stages}
+    assert ("fused" in params) is fused
+    assert "fused" not in plan.stage_names
+    assert params["forward"]["fused"] is fused
+    assert params["prepare"]["fused"] is fused
+    assert params["recurrence"]["fused"] is fused
+    assert ("fused prepare + recurrence kernel" in plan.reason) is fused
+    if fused:
+        f = params["fused"]
+        assert f["stages"] >= f["prep_warps"]  # a stage's empty barrier is never two phases behind
+
+
+@pytest.mark.parametrize(
+    ("policy", "nseq", "total", "expected"),
+    [("auto", 1, 16384, (0, 132)),  # 64 chains: half the SMs
+     ("auto", 2, 32768, (1, 132)),  # 128 chains of 1024 steps: the setup kernel decides
+     ("auto", 20, 4096, (0, 132)),  # ten waves of ~13-step chains: the fill steps dominate
+     ("auto", 2, 1024, (1, 132)),  # 32 steps a chain: too close to call here
+     ("auto", 0, 0, (0, 132)),
+     ("on", 1, 16, (2, 132)), ("off", 2, 32768, (0, 132))],
+)
+def test_fused_policy(
+    monkeypatch: pytest.MonkeyPatch, policy: str, nseq: int, total: int, expected: tuple[int, int]
+):
+    # "auto" leaves the choice to the setup kernel (1) unless its rule could never pick the fused kernel for
+    # the call's sizes (0: then the fused kernel is not even launched). H = 64 value heads, 132 SMs.
+    monkeypatch.setenv(paths.ENV_FUSED, policy)
+    spec = KernelSpec(arch="sm_90a")
+    plan = make_plan(spec)
+    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
+    assert kernel._fused_args(nseq, 64, total, 132) == expected
+    plain = KernelSpec(arch="sm_90a", family="mma_sync")
+    other = KDAKernel(plain, make_plan(plain), dict.fromkeys(make_plan(plain).stage_names, lambda *a: None))
+    assert other._fused_args(nseq, 64, total, 132) == ()  # no fused kernel: forward takes no such arguments
+
+
+def test_fused_policy_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(paths.ENV_FUSED, "sometimes")
+    with pytest.raises(ValueError, match="KDAGEN_FUSED"):
+        paths.fused()
 
 
 def test_mma_sync_selectable_on_sm90a():

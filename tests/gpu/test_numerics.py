@@ -81,6 +81,86 @@ def test_numerics(spec_name: str, case: cases.Case) -> None:
     _check_against_reference(spec_name, case)
 
 
+# The fused prepare + recurrence kernel (wgmma variants with the safe gate). KDAGEN_FUSED=on runs it on
+# every whole-sequence call: the numerics matrix of those specs against the fp64 reference, and bit-identity
+# with the two-stage path (KDAGEN_FUSED=off) on the same inputs, since the arithmetic is the same and only
+# the route of the per-step operands differs (shared memory instead of the workspace).
+FUSED_MATRIX = tuple((n, c) for n, c in cases.MATRIX if cases.SPECS[n]["safe_gate"])
+
+
+@pytest.mark.parametrize(("spec_name", "case"), FUSED_MATRIX, ids=[f"{n}:{c.id}" for n, c in FUSED_MATRIX])
+def test_fused_kernel(spec_name: str, case: cases.Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = cases.kernel_for(spec_name)
+    assert any(s.name == "fused" for s in kernel.plan.stages), f"{spec_name}: the plan has no fused kernel"
+    monkeypatch.setenv("KDAGEN_FUSED", "on")
+    _check_against_reference(spec_name, case)
+    inp = cases.build_inputs(cases.SPECS[spec_name], case)
+    o_f, ht_f = cases.run_kernel(kernel, inp, case.final)
+    monkeypatch.setenv("KDAGEN_FUSED", "off")
+    o_s, ht_s = cases.run_kernel(kernel, inp, case.final)
+    torch.cuda.synchronize()
+    assert torch.equal(o_f, o_s), "o: the fused kernel and the two-stage path differ"
+    if case.final:
+        assert torch.equal(ht_f, ht_s), "ht: the fused kernel and the two-stage path differ"
+
+
+def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            for name in ("setup", "fused", "prepare", "recurrence"):
+                if f"{name}_kernel" in ev.name:
+                    times[name] = times.get(name, 0.0) + ev.time_range.elapsed_us()
+    return times
+
+
+def _fused_expected(lengths: tuple[int, ...], heads: int, forward: dict[str, Any]) -> bool | None:
+    """The setup kernel's rule (templates/common/forward.py.j2), or None when the host settles the call."""
+    margin, fill = forward["fused_margin"], forward["fused_fill_steps"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chains = len(lengths) * heads
+    if chains * margin < sms:
+        return None
+    steps = [-(-n // 16) for n in lengths]
+    waves = -(-chains // sms)
+    estimate = max(max(steps) + fill, waves * (sum(steps) / len(steps) + fill))
+    return estimate <= margin * sum(steps) * heads / sms
+
+
+# 128 chains of equal length (one full wave on 132 SMs); as many chains with one sequence doing most of the
+# work; 64 chains (half the SMs: settled on the host).
+@pytest.mark.parametrize("lengths", [(2048, 2048), (4000, 96), (2048,)])
+def test_setup_kernel_chooses_the_path(lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """KDAGEN_FUSED=auto: the setup kernel picks the path from the lengths on the device; the kernels of the
+    other path exit at once. Which one did the work shows in the kernels' durations (the chosen path takes
+    ~100x longer than an exiting grid at these sizes)."""
+    monkeypatch.setenv("KDAGEN_FUSED", "auto")
+    spec = cases.SPECS["lb_safe_gbf16"]
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    inp = cases.build_inputs(spec, cases.VL(tuple(cu), 64, seed=3))
+    kernel = cases.kernel_for("lb_safe_gbf16")
+    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
+    fused = _fused_expected(lengths, 64, forward)
+    times = _kernel_times_us(lambda: cases.run_kernel(kernel, inp, True))
+    if fused is None:  # the fused kernel is not even launched
+        assert "fused" not in times, times
+    elif fused:
+        assert times["fused"] > 10 * max(times["prepare"], times["recurrence"]), times
+    else:
+        assert times["prepare"] > 10 * times["fused"], times
+    ref_o, ref_ht = cases.run_reference(spec, inp, True)
+    o, ht = cases.run_kernel(kernel, inp, True)
+    assert_close("o", ref_o, o, TOL)
+    assert_close("ht", ref_ht, ht, TOL)
+
+
 def test_explicit_scale() -> None:
     spec = cases.SPECS["lb_safe"]
     case = cases.VL(cases.CU_EDGE, 2, init=True, seed=3)
