@@ -152,10 +152,22 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
+def _fused_smem_bytes(spec: KernelSpec) -> int:
+    """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
+    and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta), plus the
+    barriers and the 1 KB alignment of the four wgmma images."""
+    k, v = spec.head_dim_k, spec.head_dim_v
+    g_bytes = 4 if spec.g_dtype == "fp32" else 2
+    stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
+    per_warp = 2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
+    return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + 4 * 1024
+
+
 def _has_fused(family: str, spec: KernelSpec) -> bool:
-    """The fused kernel exists for the wgmma family with the safe gate: the anchored (non-safe) path's fp32
-    tiles would not fit in shared memory beside the ring."""
-    return family == "wgmma" and spec.safe_gate
+    """The fused kernel exists for the wgmma family with the safe gate (the anchored path's fp32 tiles
+    would not fit beside the ring) where one CTA fits the target's shared memory (every spec today)."""
+    return (family == "wgmma" and spec.safe_gate
+            and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
 
 
 def _merge_params(spec: KernelSpec) -> dict:

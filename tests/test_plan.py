@@ -74,6 +74,18 @@ def test_fused_kernel_only_for_wgmma_with_the_safe_gate(arch: str, family: str, 
         assert f["stages"] >= f["prep_warps"]  # a stage's empty barrier is never two phases behind
 
 
+@pytest.mark.parametrize("g_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("head_dim_k", "head_dim_v"), [(64, 64), (64, 128), (128, 64), (128, 128)])
+def test_fused_kernel_fits_one_cta_per_sm(head_dim_k: int, head_dim_v: int, g_dtype: str):
+    # Every safe-gate wgmma spec gets the fused kernel: its CTA (ring and prepare tiles) fits sm_90a's
+    # shared memory at every head-dim pair and g dtype (the largest, K=V=128 with fp32 g, ~190 KB).
+    from kdagen.plan import _fused_smem_bytes
+
+    spec = KernelSpec(arch="sm_90a", head_dim_k=head_dim_k, head_dim_v=head_dim_v, g_dtype=g_dtype)
+    assert _fused_smem_bytes(spec) <= get_arch("sm_90a").smem_bytes_per_block
+    assert any(s.name == "fused" for s in make_plan(spec).stages)
+
+
 @pytest.mark.parametrize(
     ("policy", "nseq", "total", "expected"),
     [("auto", 1, 16384, (0, 132)),  # 64 chains: half the SMs

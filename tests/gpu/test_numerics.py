@@ -298,6 +298,31 @@ def test_cuda_graph_replay_with_new_inputs() -> None:
         assert_close(f"ht (replay seed {seed})", ref_ht, ht, TOL)
 
 
+def test_cuda_graph_replay_rechooses_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KDAGEN_FUSED=auto under a captured graph: the setup kernel picks the path from cu_seqlens at every
+    replay (two equal sequences: the fused kernel; one long and one short: the two-stage path), and both
+    replays match the reference."""
+    monkeypatch.setenv("KDAGEN_FUSED", "auto")
+    spec = cases.SPECS["lb_safe_gbf16"]
+    kernel = cases.kernel_for("lb_safe_gbf16")
+    case = cases.VL((0, 1024, 2048), 64, init=True)
+    static = cases.build_inputs(spec, case)
+    graph, o, ht = _capture(kernel, static)
+    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
+    for cu in ((0, 1024, 2048), (0, 2000, 2048)):
+        expected = _fused_expected(tuple(b - a for a, b in zip(cu, cu[1:])), 64, forward)
+        assert expected is not None
+        cases.copy_into(static, cases.build_inputs(spec, replace(case, cu=cu, seed=11)))
+        times = _kernel_times_us(graph.replay)
+        if expected:
+            assert times["fused"] > 10 * times["prepare"], (cu, times)
+        else:
+            assert times["prepare"] > 10 * times["fused"], (cu, times)
+        ref_o, ref_ht = cases.run_reference(spec, static)
+        assert_close(f"o (replay, cu {cu})", ref_o, o, TOL)
+        assert_close(f"ht (replay, cu {cu})", ref_ht, ht, TOL)
+
+
 @pytest.mark.parametrize("order", ["auto", "length"])
 def test_cuda_graph_replay_with_new_cu_seqlens(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same N and total tokens, different boundaries: nothing may be derived from cu_seqlens on the host (with
