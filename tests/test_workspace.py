@@ -7,10 +7,6 @@ import pytest
 from kdagen import plan, workspace
 
 
-def test_chunk_matches_the_planner():
-    assert workspace.CHUNK == plan.CHUNK
-
-
 @pytest.mark.parametrize(
     ("total", "heads", "seqs", "k", "elem"),
     [(1, 1, 1, 64, 2), (63, 3, 2, 64, 2), (512, 64, 1, 128, 2), (1000, 6, 7, 128, 2), (32768, 64, 2, 128, 2),
