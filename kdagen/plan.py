@@ -36,7 +36,11 @@ WORKSPACE_ROW = 256
 # registers split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp). The setup kernel runs
 # it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
 # path: the fused kernel took ~2.0 us a step where the two-stage path took ~2.4 us per balanced step
-# (2.06 against 2.37 ms at B=2 T=16384); the margin keeps the choice on the safe side of that ratio.
+# (2.06 against 2.37 ms at B=2 T=16384); the margin keeps the choice on the safe side of that ratio. Since
+# the prepare warps' tile got ~12% cheaper (inputs fetched a tile ahead, packed image stores, integer unpack
+# and tf32 rounding, dt_bias staged once: 1.86 against 2.37 ms, same H100 session) the ratio is ~1.27; the
+# margin stays at 1.1: at 1.2 it would also take B=2 T=512 (estimate 1.13 x balanced, 32-step chains), where
+# the fused kernel was ~40% slower.
 FUSED_PREP_WARPS = 4
 FUSED_STAGES = 6
 FUSED_UNROLL_KB = 2
@@ -154,12 +158,13 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
 
 def _fused_smem_bytes(spec: KernelSpec) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
-    and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta), plus the
-    barriers and the 1 KB alignment of the four wgmma images."""
+    and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
+    the barriers and the 1 KB alignment of the four wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
     g_bytes = 4 if spec.g_dtype == "fp32" else 2
     stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
-    per_warp = 2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
+    per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
+                + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
     return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + 4 * 1024
 
 
