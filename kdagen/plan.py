@@ -35,22 +35,22 @@ WORKSPACE_ROW = 256
 # one process: 2.06 ms against 2.11 with one block a trip, 2.16 with four; eight prepare warps, with the
 # registers split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp). The setup kernel runs
 # it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
-# path: the fused kernel took ~2.0 us a step where the two-stage path took ~2.4 us per balanced step
-# (2.06 against 2.37 ms at B=2 T=16384); the margin keeps the choice on the safe side of that ratio. Since
-# the prepare warps' tile got ~12% cheaper (inputs fetched a tile ahead, packed image stores, integer unpack
-# and tf32 rounding, dt_bias staged once: 1.86 against 2.37 ms, same H100 session) the ratio is ~1.27; the
-# margin stays at 1.1: at 1.2 it would also take B=2 T=512 (estimate 1.13 x balanced, 32-step chains), where
-# the fused kernel was ~40% slower.
+# path. The margin was 1.1 while the fused kernel took ~2.0 us a step against ~2.4 us per balanced step of
+# the two-stage path. With the cheaper prepare tile (docs/internals.md) it takes ~1.7 us (B=2 T=16384 1.76
+# against 2.37 ms), and forced on, it beat the two-stage path at every benchmark config whose estimate was
+# within 1.27 x balanced (same H100 session, ms, fused against two-stage: B=2 T=512 [1.13 x] 0.078-0.098
+# against 0.102-0.103; 10 x 410 tokens [1.15 x] 0.283 against 0.328; 20 x 410 [1.15 x] 0.541-0.548 against
+# 0.634; 20 x 205 [1.27 x] 0.333 against 0.346), hence 1.3.
 FUSED_PREP_WARPS = 4
 FUSED_STAGES = 6
 FUSED_UNROLL_KB = 2
-FUSED_MARGIN = 1.1
+FUSED_MARGIN = 1.3
 # ... and each chain is charged FUSED_FILL_STEPS more steps (its first tile is prepared before its first
 # step, and the four prepare warps start together). In the first benchmark with the fused kernel (H100,
 # 2026-11-26) it was slower than the two-stage path of the previous final run (another H100) at 32 steps a
 # chain (B=2 T=512: 0.129 against 0.092 ms) and at ten waves of 13 steps (20 x 204 tokens: 0.393 against
 # 0.346), faster from 64 steps on (B=2 T=1024: 0.158 against 0.167; 10 x 819: 0.587 against 0.613);
-# 3 steps separates them all.
+# 3 steps separates them all. Kept with the cheaper tile, which wins both of those calls (FUSED_MARGIN).
 FUSED_FILL_STEPS = 3
 
 
