@@ -31,9 +31,11 @@ MAX_RANKED_SEQS = 4096
 # workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
 WORKSPACE_ROW = 256
 # The fused prepare + recurrence kernel (templates/wgmma/fused.py.j2): four prepare warps beside the consumer
-# warpgroups, a six-stage ring, the column-block loop unrolled twice (H100, 2026-11-26, B=2 T=16384 H=64 in
-# one process: 2.06 ms against 2.11 with one block a trip, 2.16 with four; eight prepare warps, with the
-# registers split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp). The setup kernel runs
+# warpgroups, a six-stage ring, the column-block loop rolled (one block a trip). With the first tile code the
+# loop unrolled twice won (H100, 2026-11-26, B=2 T=16384 H=64 in one process: 2.06 ms against 2.11 with one
+# block a trip, 2.16 with four); with the cheaper tile one block a trip wins (1.707-1.734 against
+# 1.748-1.777 ms unrolled twice; four: 2.38, 172 bytes of spills). Eight prepare warps, with the registers
+# split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp. The setup kernel runs
 # it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
 # path. The margin was 1.1 while the fused kernel took ~2.0 us a step against ~2.4 us per balanced step of
 # the two-stage path. With the cheaper prepare tile (docs/internals.md) it takes ~1.7 us (B=2 T=16384 1.76
@@ -43,7 +45,7 @@ WORKSPACE_ROW = 256
 # 0.634; 20 x 205 [1.27 x] 0.333 against 0.346), hence 1.3.
 FUSED_PREP_WARPS = 4
 FUSED_STAGES = 6
-FUSED_UNROLL_KB = 2
+FUSED_UNROLL_KB = 1
 FUSED_MARGIN = 1.3
 # ... and each chain is charged FUSED_FILL_STEPS more steps (its first tile is prepared before its first
 # step, and the four prepare warps start together). In the first benchmark with the fused kernel (H100,
