@@ -148,31 +148,32 @@ def intracard_cp() -> str | int:
     )
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable `name` (lower-cased; unset or empty is the first choice), which
+    must be one of `choices`."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ValueError(f"{name}: expected {listed}, got {value!r}")
+    return value
+
+
 def overlap() -> str:
     """``KDAGEN_OVERLAP``: "auto" (default: the recurrence runs beside prepare when its grid fits one CTA per
     SM), "on" (always, except under intra-card context parallelism) or "off" (the recurrence starts after
     prepare ends)."""
-    value = os.environ.get(ENV_OVERLAP, "").strip().lower() or "auto"
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV_OVERLAP}: expected 'auto', 'on' or 'off', got {value!r}")
-    return value
+    return _env_choice(ENV_OVERLAP, ("auto", "on", "off"))
 
 
 def fused() -> str:
     """``KDAGEN_FUSED``: "auto" (default: where the variant has a fused prepare + recurrence kernel, the
     forward stage's setup kernel runs it when the call's chains fill the SMs), "on" (the fused kernel on every
     whole-sequence call of such a variant) or "off" (prepare and the recurrence)."""
-    value = os.environ.get(ENV_FUSED, "").strip().lower() or "auto"
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV_FUSED}: expected 'auto', 'on' or 'off', got {value!r}")
-    return value
+    return _env_choice(ENV_FUSED, ("auto", "on", "off"))
 
 
 def seq_order() -> str:
     """``KDAGEN_SEQ_ORDER``: "auto" (default: the recurrence takes sequences longest first when its grid does
     not fit the SMs at once), "length" (longest first whenever there are two sequences or more) or "input"
     (the order of ``cu_seqlens``)."""
-    value = os.environ.get(ENV_SEQ_ORDER, "").strip().lower() or "auto"
-    if value not in ("auto", "length", "input"):
-        raise ValueError(f"{ENV_SEQ_ORDER}: expected 'auto', 'length' or 'input', got {value!r}")
-    return value
+    return _env_choice(ENV_SEQ_ORDER, ("auto", "length", "input"))
