@@ -47,13 +47,22 @@ FUSED_PREP_WARPS = 4
 FUSED_STAGES = 6
 FUSED_UNROLL_KB = 1
 FUSED_MARGIN = 1.3
-# ... and each chain is charged FUSED_FILL_STEPS more steps (its first tile is prepared before its first
-# step, and the four prepare warps start together). In the first benchmark with the fused kernel (H100,
-# 2026-11-26) it was slower than the two-stage path of the previous final run (another H100) at 32 steps a
-# chain (B=2 T=512: 0.129 against 0.092 ms) and at ten waves of 13 steps (20 x 204 tokens: 0.393 against
-# 0.346), faster from 64 steps on (B=2 T=1024: 0.158 against 0.167; 10 x 819: 0.587 against 0.613);
-# 3 steps separates them all. Kept with the cheaper tile, which wins both of those calls (FUSED_MARGIN).
+# ... and the estimate is charged FUSED_FILL_STEPS more steps (a CTA's first tile is prepared before its first
+# step, and the four prepare warps start together). It was charged per chain while each chain had a CTA of its
+# own; the persistent grid below starts a CTA's next chain under the end of the last, so it is charged once.
+# With the charge per chain the rule declined short equal chains the persistent kernel wins (H100, forced on
+# against off, ms: 20 x 64 tokens 0.131 against 0.148, 40 x 64 0.239 against 0.278, 20 x 128 0.201 against
+# 0.237; estimates 1.80, 1.80 and 1.42 x balanced, 1.11, 1.07 and 1.07 charged once) and ties (10 x 128 0.129
+# against 0.128, 40 x 32 0.188 against 0.183: 1.11 charged once). In the first benchmark with the fused kernel
+# (H100, 2026-11-26) it was slower than the two-stage path of the previous final run (another H100) at 32
+# steps a chain (B=2 T=512: 0.129 against 0.092 ms) and at ten waves of 13 steps (20 x 204 tokens: 0.393
+# against 0.346), faster from 64 steps on (B=2 T=1024: 0.158 against 0.167; 10 x 819: 0.587 against 0.613); 3
+# steps separates them all. Kept with the cheaper tile, which wins both of those calls (FUSED_MARGIN).
 FUSED_FILL_STEPS = 3
+# Its grid is persistent (one CTA per SM at most) and its CTAs take chains from a device counter through a
+# queue of FUSED_QUEUE entries a CTA: the consumers may still be on a chain a few short chains back (the
+# ring holds FUSED_STAGES steps) when the fetching prepare warp posts the next, which would wait for a slot.
+FUSED_QUEUE = 4
 
 
 @dataclass(frozen=True)
@@ -161,13 +170,15 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
 def _fused_smem_bytes(spec: KernelSpec) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
     and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
-    the barriers and the 1 KB alignment of the four wgmma images."""
+    the barriers, the chain queue (an entry and the head's dt_bias a slot) and the 1 KB alignment of the four
+    wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
     g_bytes = 4 if spec.g_dtype == "fp32" else 2
     stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
-    return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + 4 * 1024
+    queue = FUSED_QUEUE * (2 * 8 + 4 * 4 + k * 4)
+    return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + queue + 4 * 1024
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
@@ -290,6 +301,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "state_layout": spec.state_layout,
             "prep_warps": FUSED_PREP_WARPS,
             "stages": FUSED_STAGES,
+            "queue": FUSED_QUEUE,
             "unroll_kb": FUSED_UNROLL_KB,
         },
         compiled=False,

@@ -185,9 +185,9 @@ class KDAKernel:
 
         0 runs prepare and the recurrence; 1 lets the setup kernel choose from the lengths; 2 runs the fused
         kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is settled
-        here from the sizes the host knows, which also spares it the fused kernel's launch (an exiting grid
-        of one 170 KB CTA per chain takes a wave per SM's worth of chains: ~30 us at 20 x 64 chains). The
-        setup kernel picks the fused kernel when max(longest + F, waves x (mean + F)) <= margin x sum x HV
+        here from the sizes the host knows, which also spares it the fused kernel's launch (a persistent
+        grid of up to one 200 KB CTA per SM that would find the queue empty and exit). The
+        setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV
         / SMs (steps, F = the fill steps); here the mean is bounded below by total / 16 / N and the sum
         above by total / 16 + N, so "no" here is "no" there.
         """
@@ -200,7 +200,7 @@ class KDAKernel:
             return (2, sms)
         chains = nseq * hv
         waves = -(-chains // sms)
-        low = waves * (total / CHUNK / max(nseq, 1) + self._fused_fill)
+        low = waves * total / CHUNK / max(nseq, 1) + self._fused_fill
         high = self._fused_margin * (total / CHUNK + nseq) * hv / sms
         return (int(nseq > 0 and low <= high), sms)
 

@@ -25,7 +25,8 @@ class Workspace(NamedTuple):
     """Byte offsets of each buffer (kd starts at 0) and the total size (a multiple of ROW).
 
     kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
-    order: [N + 1] int32 (the ranking, then at [N] the path the setup kernel chose); S = T // 16 + N + 1 tile
+    order: [N + 2] int32 (the ranking, at [N] the path the setup kernel chose, at [N + 1] the fused kernel's
+    chain counter); S = T // 16 + N + 1 tile
     slots (the bound of the tile-id map floor(bos/16) + seq + step).
     """
 
@@ -47,5 +48,5 @@ def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_by
     gt = aq + _up(total * num_v_heads * CHUNK * elem_bytes)
     ready = gt + _up(tile_slots * num_v_heads * head_dim_k * 4)
     order = ready + _up(tile_slots * num_v_heads * 4)
-    size = -(-(order + (num_seqs + 1) * 4) // ROW) * ROW
+    size = -(-(order + (num_seqs + 2) * 4) // ROW) * ROW
     return Workspace(plane, 2 * plane, aq, gt, ready, order, size, tile_slots)

@@ -91,7 +91,8 @@ def test_fused_kernel_fits_one_cta_per_sm(head_dim_k: int, head_dim_v: int, g_dt
     [("auto", 1, 16384, (0, 132)),  # 64 chains: half the SMs
      ("auto", 2, 32768, (1, 132)),  # 128 chains of 1024 steps: the setup kernel decides
      ("auto", 20, 4096, (1, 132)),  # ten waves of ~13-step chains: the setup kernel decides
-     ("auto", 60, 4096, (0, 132)),  # thirty waves of ~4-step chains: the fill steps dominate
+     ("auto", 60, 4096, (1, 132)),  # thirty waves of ~4-step chains: the setup kernel decides
+     ("auto", 3, 6144, (0, 132)),  # 192 chains: a second wave under half full
      ("auto", 2, 1024, (1, 132)),  # 32 steps a chain: too close to call here
      ("auto", 0, 0, (0, 132)),
      ("on", 1, 16, (2, 132)), ("off", 2, 32768, (0, 132))],
