@@ -104,6 +104,35 @@ def test_fused_kernel(spec_name: str, case: cases.Case, monkeypatch: pytest.Monk
         assert torch.equal(ht_f, ht_s), "ht: the fused kernel and the two-stage path differ"
 
 
+def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernel's persistent grid with more chains than SMs: CTAs take several chains from the
+    device counter, the ring running on across them, among them empty and length-1 sequences; engine padding
+    past cu_seqlens[-1] reads o = 0. Against the reference, and bit for bit against the two-stage path."""
+    spec = cases.SPECS["lb_safe"]
+    lengths = [(i * 37) % 97 for i in range(160)]  # every length 0..96 (empty, 1, around 16-token steps)
+    cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    case = cases.VL(tuple(cu), 2, init=True, seed=11)
+    assert len(lengths) * 2 > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    inp = cases.build_inputs(spec, case)
+    padded = dict(inp)
+    for name in ("q", "k", "v", "g", "beta"):
+        t = inp[name]
+        filler = torch.randn((1, 40, *t.shape[2:]), device=t.device).to(t.dtype)  # garbage, not zeros
+        padded[name] = torch.cat([t, filler], dim=1)
+    kernel = cases.kernel_for("lb_safe")
+    monkeypatch.setenv("KDAGEN_FUSED", "on")
+    o_f, ht_f = cases.run_kernel(kernel, padded, True)
+    monkeypatch.setenv("KDAGEN_FUSED", "off")
+    o_s, ht_s = cases.run_kernel(kernel, padded, True)
+    torch.cuda.synchronize()
+    assert torch.all(o_f[:, case.total :] == 0), "o past cu_seqlens[-1] must be exactly zero"
+    ref_o, ref_ht = cases.run_reference(spec, inp, True)
+    assert_close("o", ref_o, o_f[:, : case.total], TOL)
+    assert_close("ht", ref_ht, ht_f, TOL)
+    assert torch.equal(o_f, o_s), "o: the fused kernel and the two-stage path differ"
+    assert torch.equal(ht_f, ht_s), "ht: the fused kernel and the two-stage path differ"
+
+
 def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -130,7 +159,7 @@ def _fused_expected(lengths: tuple[int, ...], heads: int, forward: dict[str, Any
         return None
     steps = [-(-n // 16) for n in lengths]
     waves = -(-chains // sms)
-    estimate = max(max(steps) + fill, waves * (sum(steps) / len(steps) + fill))
+    estimate = max(max(steps), waves * sum(steps) / len(steps)) + fill
     return estimate <= margin * sum(steps) * heads / sms
 
 
