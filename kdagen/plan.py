@@ -60,8 +60,8 @@ FUSED_MARGIN = 1.3
 # steps separates them all. Kept with the cheaper tile, which wins both of those calls (FUSED_MARGIN).
 FUSED_FILL_STEPS = 3
 # Its grid is persistent (one CTA per SM at most) and its CTAs take chains from a device counter through a
-# queue of FUSED_QUEUE entries a CTA: the consumers may still be on a chain a few short chains back (the
-# ring holds FUSED_STAGES steps) when the fetching prepare warp posts the next, which would wait for a slot.
+# queue of FUSED_QUEUE entries a CTA: the prepare warps may be a few short chains ahead of the consumers (the
+# ring holds FUSED_STAGES steps), and the fetching consumer warp posts each chain before the current one ends.
 FUSED_QUEUE = 4
 
 
@@ -170,14 +170,14 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
 def _fused_smem_bytes(spec: KernelSpec) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
     and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
-    the barriers, the chain queue (an entry and the head's dt_bias a slot) and the 1 KB alignment of the four
-    wgmma images."""
+    the barriers, the chain queue (an entry and the head's dt_bias and exp(A_log) a slot) and the 1 KB
+    alignment of the four wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
     g_bytes = 4 if spec.g_dtype == "fp32" else 2
     stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
-    queue = FUSED_QUEUE * (2 * 8 + 4 * 4 + k * 4)
+    queue = FUSED_QUEUE * (2 * 8 + 5 * 4 + k * 4)
     return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + queue + 4 * 1024
 
 
