@@ -28,6 +28,7 @@ __all__ = [
     "ENV_INTRACARD_CP",
     "ENV_OVERLAP",
     "ENV_FUSED",
+    "ENV_FUSED_PAIR",
     "ENV_SEQ_ORDER",
     "ENV_GENERATED_DIR",
     "package_dir",
@@ -43,6 +44,7 @@ __all__ = [
     "intracard_cp",
     "overlap",
     "fused",
+    "fused_pair",
     "seq_order",
 ]
 
@@ -52,6 +54,7 @@ ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
 ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
 ENV_OVERLAP = "KDAGEN_OVERLAP"
 ENV_FUSED = "KDAGEN_FUSED"
+ENV_FUSED_PAIR = "KDAGEN_FUSED_PAIR"
 ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -170,6 +173,13 @@ def fused() -> str:
     forward stage's setup kernel runs it when the call's chains fill the SMs), "on" (the fused kernel on every
     whole-sequence call of such a variant) or "off" (prepare and the recurrence)."""
     return _env_choice(ENV_FUSED, ("auto", "on", "off"))
+
+
+def fused_pair() -> str:
+    """``KDAGEN_FUSED_PAIR``: "auto" (default: where the variant has the fused kernel's CTA-pair form, the
+    fused kernel runs in pairs on calls whose chains fill at most half the SMs) or "off" (one CTA a chain
+    always)."""
+    return _env_choice(ENV_FUSED_PAIR, ("auto", "off"))
 
 
 def seq_order() -> str:

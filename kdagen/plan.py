@@ -63,6 +63,18 @@ FUSED_FILL_STEPS = 3
 # queue of FUSED_QUEUE entries a CTA: the prepare warps may be a few short chains ahead of the consumers (the
 # ring holds FUSED_STAGES steps), and the fetching consumer warp posts each chain before the current one ends.
 FUSED_QUEUE = 4
+# The CTA-pair form of the fused kernel (templates/wgmma/fused.py.j2 with `pair`): where one CTA a chain
+# would leave half the SMs idle (B=1 at H=64: 64 chains on 132 SMs), a cluster of two CTAs runs each chain,
+# each CTA the recurrence of half the value rows and the preparation of every other step, which it hands to
+# the partner by bulk shared-memory copies. The two CTAs' prepare warps share one ring schedule, so the ring
+# holds a step for each of them (FUSED_PAIR_STAGES >= 2 x FUSED_PREP_WARPS; 224 KB with bf16 g, too much
+# with fp32 g). A chain then steps in ~0.93 us against ~1.65 us with one CTA (H100, B=1 T=16384 at 4 to 64
+# heads: 0.93-0.96 against 1.64-1.70 ms), so FUSED_PAIR_STEP = 0.6 scales the setup kernel's estimate. With
+# it B=1 T=16384 H=64 takes 0.95 ms against 1.19 on the two-stage path, T=2048 0.138 against 0.166; at 32
+# heads and fewer the two-stage path stays faster (its recurrence steps in ~0.6-0.8 us there), and the rule
+# keeps it (docs/internals.md, "The fused kernel in CTA pairs").
+FUSED_PAIR_STAGES = 8
+FUSED_PAIR_STEP = 0.6
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
-def _fused_smem_bytes(spec: KernelSpec) -> int:
+def _fused_smem_bytes(spec: KernelSpec, stages: int = FUSED_STAGES) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
     and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
     the barriers, the chain queue (an entry and the head's dt_bias and exp(A_log) a slot) and the 1 KB
@@ -178,7 +190,7 @@ def _fused_smem_bytes(spec: KernelSpec) -> int:
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
     queue = FUSED_QUEUE * (2 * 8 + 5 * 4 + k * 4)
-    return FUSED_STAGES * stage + FUSED_PREP_WARPS * per_warp + 2 * FUSED_STAGES * 8 + queue + 4 * 1024
+    return stages * stage + FUSED_PREP_WARPS * per_warp + 2 * stages * 8 + queue + 4 * 1024
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
@@ -186,6 +198,13 @@ def _has_fused(family: str, spec: KernelSpec) -> bool:
     would not fit beside the ring) where one CTA fits the target's shared memory (every spec today)."""
     return (family == "wgmma" and spec.safe_gate
             and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
+
+
+def _has_fused_pair(spec: KernelSpec) -> bool:
+    """The pair form needs two value blocks to split (V = 2 x BLOCK_V) and its deeper ring to fit (not with
+    an fp32 gate at K=128: its g tiles take the room)."""
+    return (spec.head_dim_v == 2 * BLOCK_V
+            and _fused_smem_bytes(spec, FUSED_PAIR_STAGES) <= get_arch(spec.arch).smem_bytes_per_block)
 
 
 def _merge_params(spec: KernelSpec) -> dict:
@@ -214,8 +233,11 @@ def _merge_params(spec: KernelSpec) -> dict:
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     fused = _has_fused(family, spec)
+    pair = fused and _has_fused_pair(spec)
     if fused:
         reason += "; with a fused prepare + recurrence kernel, run when the chains fill the SMs (setup picks)"
+    if pair:
+        reason += ", in CTA pairs when they fill half"
     common = _common_params(spec)
     ctas = _prepare_ctas_per_sm(spec)
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
@@ -289,6 +311,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "fused": fused,
             "fused_margin": FUSED_MARGIN,
             "fused_fill_steps": FUSED_FILL_STEPS,
+            "fused_pair": pair,
+            "fused_pair_step": FUSED_PAIR_STEP,
         },
     )
     # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).
@@ -303,7 +327,15 @@ def make_plan(spec: KernelSpec) -> Plan:
             "stages": FUSED_STAGES,
             "queue": FUSED_QUEUE,
             "unroll_kb": FUSED_UNROLL_KB,
+            "pair": False,
         },
+        compiled=False,
+    )
+    # Its pair form (a CTA cluster a chain), compiled into `forward` too where the variant has it.
+    pair_stage = StagePlan(
+        "fused_pair",
+        "wgmma/fused.py.j2",
+        {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True},
         compiled=False,
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
@@ -311,5 +343,6 @@ def make_plan(spec: KernelSpec) -> Plan:
     prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
     merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
     segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
-    stages = (prepare, recurrence, *((fused_stage,) if fused else ()), forward, prescan, merge, segments)
+    fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments)
     return Plan(family=family, reason=reason, stages=stages)

@@ -125,6 +125,9 @@ class KDAKernel:
         fused = params["forward"].get("fused")
         self._fused_margin = params["forward"]["fused_margin"] if fused else None
         self._fused_fill = params["forward"]["fused_fill_steps"] if fused else 0
+        # Its CTA-pair form, when the variant has one: what a step of a pair costs in one-CTA steps.
+        pair = params["forward"].get("fused_pair")
+        self._pair_step = params["forward"]["fused_pair_step"] if pair else None
         self._dummies: dict[tuple, torch.Tensor] = {}
         self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
         self._validated: dict[tuple, tuple[int, int, int, int, int]] = {}  # signature -> (B, T, H, HV, N)
@@ -181,28 +184,37 @@ class KDAKernel:
         return max(1024, -(-seg // CHUNK) * CHUNK)
 
     def _fused_args(self, nseq: int, hv: int, total: int, sms: int) -> tuple[int, ...]:
-        """The forward stage's (allow_fused, sms) arguments where the variant has a fused kernel, else none.
+        """The forward stage's (allow_fused, sms) arguments where the variant has a fused kernel, else none,
+        and its `pair` argument where the variant has the CTA-pair form.
 
         0 runs prepare and the recurrence; 1 lets the setup kernel choose from the lengths; 2 runs the fused
         kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is settled
         here from the sizes the host knows, which also spares it the fused kernel's launch (a persistent
         grid of up to one 200 KB CTA per SM that would find the queue empty and exit). The
         setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV
-        / SMs (steps, F = the fill steps); here the mean is bounded below by total / 16 / N and the sum
-        above by total / 16 + N, so "no" here is "no" there.
+        / SMs (steps, F = the fill steps; the left side times the pair step when `pair` is 1); here the
+        mean is bounded below by total / 16 / N and the sum above by total / 16 + N, so "no" here is "no"
+        there. `pair` is 1 where every chain gets two CTAs at once (the pair form has no chain counter).
         """
         if self._fused_margin is None:
             return ()
+        chains = nseq * hv
+        # The pair form takes two CTAs a chain and no more than one pair a chain (no chain counter), so it
+        # runs only where every chain gets its pair at once.
+        pair: tuple[int, ...] = ()
+        if self._pair_step is not None:
+            pair = (int(0 < 2 * chains <= sms and paths.fused_pair() == "auto"),)
         policy = paths.fused()
         if policy == "off":
-            return (0, sms)
+            return (0, sms, *pair)
         if policy == "on":
-            return (2, sms)
-        chains = nseq * hv
+            return (2, sms, *pair)
         waves = -(-chains // sms)
         low = waves * total / CHUNK / max(nseq, 1) + self._fused_fill
+        if pair and pair[0]:
+            low *= self._pair_step
         high = self._fused_margin * (total / CHUNK + nseq) * hv / sms
-        return (int(nseq > 0 and low <= high), sms)
+        return (int(nseq > 0 and low <= high), sms, *pair)
 
     @staticmethod
     def _by_length(nseq: int, rec_ctas: int, sms: int) -> bool:

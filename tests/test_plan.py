@@ -116,6 +116,63 @@ def test_fused_policy_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(paths.ENV_FUSED, "sometimes")
     with pytest.raises(ValueError, match="KDAGEN_FUSED"):
         paths.fused()
+    monkeypatch.setenv(paths.ENV_FUSED_PAIR, "on")
+    with pytest.raises(ValueError, match="KDAGEN_FUSED_PAIR"):
+        paths.fused_pair()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pair"),
+    [({}, True),
+     ({"head_dim_k": 64}, True),
+     ({"state_layout": "vk", "gva_ratio": 4}, True),
+     ({"g_dtype": "fp32"}, False),  # its fp32 g tiles leave no room for the pair form's deeper ring
+     ({"head_dim_v": 64}, False),  # one block of value rows: nothing to split between two CTAs
+     ({"family": "mma_sync"}, False),
+     ({"gate": "softplus", "lower_bound": None, "safe_gate": False}, False)],  # no fused kernel at all
+)
+def test_fused_pair_form_in_the_plan(overrides: dict, pair: bool):
+    # The CTA-pair form of the fused kernel is a second module compiled into `forward` (the runtime picks it
+    # per call), with two CTAs' prepare warps sharing one ring: one stage for each of them at least, and an
+    # even depth so that every stage is made by the same CTA.
+    from kdagen.plan import _fused_smem_bytes
+
+    spec = KernelSpec(**{"arch": "sm_90a", "g_dtype": "bf16", **overrides})
+    plan = make_plan(spec)
+    params = {s.name: s.params for s in plan.stages}
+    assert ("fused_pair" in params) is pair
+    assert "fused_pair" not in plan.stage_names
+    assert params["forward"]["fused_pair"] is pair
+    assert ("in CTA pairs" in plan.reason) is pair
+    if pair:
+        f = params["fused_pair"]
+        assert f["pair"] is True and params["fused"]["pair"] is False
+        assert f["stages"] >= 2 * f["prep_warps"] and f["stages"] % 2 == 0
+        assert _fused_smem_bytes(spec, f["stages"]) <= get_arch("sm_90a").smem_bytes_per_block
+
+
+@pytest.mark.parametrize(
+    ("policy", "pair_policy", "nseq", "hv", "total", "expected"),
+    [("auto", "auto", 1, 64, 16384, (1, 132, 1)),  # 64 chains in pairs: the setup kernel decides
+     ("auto", "auto", 1, 32, 16384, (0, 132, 1)),  # 32 chains: the two-stage path, even in pairs
+     ("auto", "auto", 1, 64, 512, (0, 132, 1)),  # 32 steps a chain: the two-stage path
+     ("auto", "auto", 2, 64, 32768, (1, 132, 0)),  # 128 chains: more than half the SMs, one CTA each
+     ("auto", "off", 1, 64, 16384, (0, 132, 0)),  # one CTA a chain: half the SMs idle
+     ("on", "auto", 1, 66, 777, (2, 132, 1)),  # a pair on every SM
+     ("on", "auto", 1, 67, 777, (2, 132, 0)),
+     ("off", "auto", 1, 64, 16384, (0, 132, 1)),
+     ("auto", "auto", 0, 64, 0, (0, 132, 0))],
+)
+def test_fused_pair_policy(monkeypatch: pytest.MonkeyPatch, policy: str, pair_policy: str, nseq: int, hv: int,
+                           total: int, expected: tuple[int, int, int]):
+    # The pair form runs where every chain gets two CTAs at once; the host's bound on the setup kernel's
+    # estimate is then scaled by the pair step (one wave, each step made by two CTAs). 132 SMs.
+    monkeypatch.setenv(paths.ENV_FUSED, policy)
+    monkeypatch.setenv(paths.ENV_FUSED_PAIR, pair_policy)
+    spec = KernelSpec(arch="sm_90a", g_dtype="bf16")
+    plan = make_plan(spec)
+    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
+    assert kernel._fused_args(nseq, hv, total, 132) == expected
 
 
 def test_mma_sync_selectable_on_sm90a():

@@ -133,6 +133,50 @@ def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(ht_f, ht_s), "ht: the fused kernel and the two-stage path differ"
 
 
+# The fused kernel's CTA-pair form (calls whose chains fill at most half the SMs): against the reference, and
+# bit for bit against the one-CTA form (KDAGEN_FUSED_PAIR=off) and the two-stage path, on every spec that has
+# it; the last case of each puts a pair on every SM of a 132-SM card (128 SMs at GVA 4).
+PAIR_SPECS = ("lb_safe_gbf16", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
+              "p_safe_gva4_l2_vk_gbf16")
+
+
+def _pair_cases(g: int) -> tuple[cases.Case, ...]:
+    # Value heads 4, 4, 4, 8, 16 and 66 (64 at GVA 4): q/k heads = value heads / g.
+    return (cases.F(1, 1000, 4 // g, init=True), cases.VL(cases.CU_EDGE, 4 // g, init=True),
+            cases.F(1, 1, 4 // g), cases.VL(cases.CU_5, 8 // g, init=True, seed=5),
+            cases.F(2, 130, 16 // g, init=True, seed=7), cases.F(1, 333, 66 // g, seed=9))
+
+
+PAIR_MATRIX = tuple((n, c) for n in PAIR_SPECS for c in _pair_cases(cases.SPECS[n]["gva_ratio"]))
+
+
+@pytest.mark.parametrize(("spec_name", "case"), PAIR_MATRIX, ids=[f"{n}:{c.id}" for n, c in PAIR_MATRIX])
+def test_fused_pair_form(spec_name: str, case: cases.Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    assert any(s.name == "fused_pair" for s in kernel.plan.stages), f"{spec_name}: no pair form in the plan"
+    inp = cases.build_inputs(spec, case)
+    nseq = case.B if case.cu is None else len(case.cu) - 1
+    hv = inp["v"].shape[2]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if 2 * nseq * hv > sms:
+        pytest.skip(f"{nseq * hv} chains need {2 * nseq * hv} CTAs for the pair form; this GPU has {sms} SMs")
+    monkeypatch.setenv("KDAGEN_FUSED", "on")
+    monkeypatch.setenv("KDAGEN_FUSED_PAIR", "auto")
+    assert kernel._fused_args(nseq, hv, case.total, sms)[2] == 1, "the call does not take the pair form"
+    o_p, ht_p = cases.run_kernel(kernel, inp, True)
+    monkeypatch.setenv("KDAGEN_FUSED_PAIR", "off")
+    o_1, ht_1 = cases.run_kernel(kernel, inp, True)
+    monkeypatch.setenv("KDAGEN_FUSED", "off")
+    o_s, ht_s = cases.run_kernel(kernel, inp, True)
+    torch.cuda.synchronize()
+    ref_o, ref_ht = cases.run_reference(spec, inp, True)
+    assert_close("o", ref_o, o_p, TOL)
+    assert_close("ht", ref_ht, ht_p, TOL)
+    assert torch.equal(o_p, o_1) and torch.equal(ht_p, ht_1), "the pair form and the one-CTA form differ"
+    assert torch.equal(o_p, o_s) and torch.equal(ht_p, ht_s), "the pair form and the two-stage path differ"
+
+
 def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,22 +194,27 @@ def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
     return times
 
 
-def _fused_expected(lengths: tuple[int, ...], heads: int, forward: dict[str, Any]) -> bool | None:
-    """The setup kernel's rule (templates/common/forward.py.j2), or None when the host settles the call."""
+def _fused_expected(lengths: tuple[int, ...], heads: int, kernel: Any) -> bool | None:
+    """The setup kernel's rule (templates/common/forward.py.j2), or None when the host settles the call
+    (KDAKernel._fused_args: no fused launch)."""
+    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
     margin, fill = forward["fused_margin"], forward["fused_fill_steps"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chains = len(lengths) * heads
-    if chains * margin < sms:
+    args = kernel._fused_args(len(lengths), heads, sum(lengths), sms)
+    if args[0] == 0:
         return None
+    chains = len(lengths) * heads
     steps = [-(-n // 16) for n in lengths]
     waves = -(-chains // sms)
     estimate = max(max(steps), waves * sum(steps) / len(steps)) + fill
+    if len(args) > 2 and args[2]:  # the pair form: a step of a pair in steps of a one-CTA chain
+        estimate *= forward["fused_pair_step"]
     return estimate <= margin * sum(steps) * heads / sms
 
 
 # 128 chains of equal length (one full wave on 132 SMs); as many chains with one sequence doing most of the
-# work; 64 chains (half the SMs: settled on the host).
-@pytest.mark.parametrize("lengths", [(2048, 2048), (4000, 96), (2048,)])
+# work; 64 chains (half the SMs: the CTA-pair form, taken); 64 chains of 256 tokens (the pair form declined).
+@pytest.mark.parametrize("lengths", [(2048, 2048), (4000, 96), (2048,), (256,)])
 def test_setup_kernel_chooses_the_path(lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """KDAGEN_FUSED=auto: the setup kernel picks the path from the lengths on the device; the kernels of the
     other path exit at once. Which one did the work shows in the kernels' durations (the chosen path takes
@@ -175,8 +224,7 @@ def test_setup_kernel_chooses_the_path(lengths: tuple[int, ...], monkeypatch: py
     cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
     inp = cases.build_inputs(spec, cases.VL(tuple(cu), 64, seed=3))
     kernel = cases.kernel_for("lb_safe_gbf16")
-    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
-    fused = _fused_expected(lengths, 64, forward)
+    fused = _fused_expected(lengths, 64, kernel)
     times = _kernel_times_us(lambda: cases.run_kernel(kernel, inp, True))
     if fused is None:  # the fused kernel is not even launched
         assert "fused" not in times, times
@@ -337,9 +385,8 @@ def test_cuda_graph_replay_rechooses_the_fused_path(monkeypatch: pytest.MonkeyPa
     case = cases.VL((0, 1024, 2048), 64, init=True)
     static = cases.build_inputs(spec, case)
     graph, o, ht = _capture(kernel, static)
-    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
     for cu in ((0, 1024, 2048), (0, 2000, 2048)):
-        expected = _fused_expected(tuple(b - a for a, b in zip(cu, cu[1:])), 64, forward)
+        expected = _fused_expected(tuple(b - a for a, b in zip(cu, cu[1:])), 64, kernel)
         assert expected is not None
         cases.copy_into(static, cases.build_inputs(spec, replace(case, cu=cu, seed=11)))
         times = _kernel_times_us(graph.replay)
