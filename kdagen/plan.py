@@ -67,12 +67,14 @@ FUSED_QUEUE = 4
 # would leave half the SMs idle (B=1 at H=64: 64 chains on 132 SMs), a cluster of two CTAs runs each chain,
 # each CTA the recurrence of half the value rows and the preparation of every other step, which it hands to
 # the partner by bulk shared-memory copies. The two CTAs' prepare warps share one ring schedule, so the ring
-# holds a step for each of them (FUSED_PAIR_STAGES >= 2 x FUSED_PREP_WARPS; 224 KB with bf16 g, too much
-# with fp32 g). A chain then steps in ~0.93 us against ~1.65 us with one CTA (H100, B=1 T=16384 at 4 to 64
-# heads: 0.93-0.96 against 1.64-1.70 ms), so FUSED_PAIR_STEP = 0.6 scales the setup kernel's estimate. With
-# it B=1 T=16384 H=64 takes 0.95 ms against 1.19 on the two-stage path, T=2048 0.138 against 0.166; at 32
-# heads and fewer the two-stage path stays faster (its recurrence steps in ~0.6-0.8 us there), and the rule
-# keeps it (docs/internals.md, "The fused kernel in CTA pairs").
+# holds a step for each of them (FUSED_PAIR_STAGES >= 2 x prepare warps a CTA: four with bf16 g, 224 KB;
+# three with fp32 g, whose g tiles leave no room for a fourth: `_pair_prep_warps`). A chain then steps in
+# ~0.93 us (bf16 g; ~1.05 us with three warps) against ~1.65 us with one CTA (H100, B=1 T=16384 at 4 to 64
+# heads: 0.93-0.96 against 1.64-1.70 ms), so FUSED_PAIR_STEP = 0.6 scales the setup kernel's estimate.
+# With it B=1 T=16384 H=64 takes 0.96 ms against 1.19 on the two-stage path (fp32 g: 1.06 against 1.30),
+# T=2048 0.138 against 0.166; at 48 heads and fewer the two-stage path is as fast or faster (its
+# recurrence steps in ~0.6-1.0 us there), and the rule keeps it (docs/internals.md, "The fused kernel in
+# CTA pairs").
 FUSED_PAIR_STAGES = 8
 FUSED_PAIR_STEP = 0.6
 
@@ -179,7 +181,9 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
-def _fused_smem_bytes(spec: KernelSpec, stages: int = FUSED_STAGES) -> int:
+def _fused_smem_bytes(
+    spec: KernelSpec, stages: int = FUSED_STAGES, prep_warps: int = FUSED_PREP_WARPS
+) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
     and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
     the barriers, the chain queue (an entry and the head's dt_bias and exp(A_log) a slot) and the 1 KB
@@ -190,7 +194,7 @@ def _fused_smem_bytes(spec: KernelSpec, stages: int = FUSED_STAGES) -> int:
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
     queue = FUSED_QUEUE * (2 * 8 + 5 * 4 + k * 4)
-    return stages * stage + FUSED_PREP_WARPS * per_warp + 2 * stages * 8 + queue + 4 * 1024
+    return stages * stage + prep_warps * per_warp + 2 * stages * 8 + queue + 4 * 1024
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
@@ -200,11 +204,18 @@ def _has_fused(family: str, spec: KernelSpec) -> bool:
             and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
 
 
-def _has_fused_pair(spec: KernelSpec) -> bool:
-    """The pair form needs two value blocks to split (V = 2 x BLOCK_V) and its deeper ring to fit (not with
-    an fp32 gate at K=128: its g tiles take the room)."""
-    return (spec.head_dim_v == 2 * BLOCK_V
-            and _fused_smem_bytes(spec, FUSED_PAIR_STAGES) <= get_arch(spec.arch).smem_bytes_per_block)
+def _pair_prep_warps(spec: KernelSpec) -> int | None:
+    """Prepare warps a CTA of the pair form: four where the 8-stage ring fits beside them (bf16 g at K=128,
+    224 KB), else three (fp32 g: 218 KB); None where the form does not apply (it needs two 64-row value
+    blocks to split, V = 128). Three a CTA, six a chain, step a little slower (H100, fp32 g, B=1 T=16384
+    H=64: 1.06-1.08 ms in pairs against 1.30 on the two-stage path; bf16 g with four: 0.96 against 1.19)."""
+    if spec.head_dim_v != 2 * BLOCK_V:
+        return None
+    limit = get_arch(spec.arch).smem_bytes_per_block
+    for warps in (FUSED_PREP_WARPS, FUSED_PREP_WARPS - 1):
+        if _fused_smem_bytes(spec, FUSED_PAIR_STAGES, warps) <= limit:
+            return warps
+    return None
 
 
 def _merge_params(spec: KernelSpec) -> dict:
@@ -233,7 +244,8 @@ def _merge_params(spec: KernelSpec) -> dict:
 def make_plan(spec: KernelSpec) -> Plan:
     family, reason = _choose_family(spec)
     fused = _has_fused(family, spec)
-    pair = fused and _has_fused_pair(spec)
+    pair_warps = _pair_prep_warps(spec) if fused else None
+    pair = pair_warps is not None
     if fused:
         reason += "; with a fused prepare + recurrence kernel, run when the chains fill the SMs (setup picks)"
     if pair:
@@ -335,7 +347,7 @@ def make_plan(spec: KernelSpec) -> Plan:
     pair_stage = StagePlan(
         "fused_pair",
         "wgmma/fused.py.j2",
-        {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True},
+        {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps},
         compiled=False,
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most

@@ -24,6 +24,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "prepare": "mma_sync/prepare.py.j2",
         "recurrence": "wgmma/recurrence.py.j2",
         "fused": "wgmma/fused.py.j2",
+        "fused_pair": "wgmma/fused.py.j2",
         "forward": "common/forward.py.j2",
         "cp_prescan": "mma_sync/recurrence.py.j2",
         "cp_merge": "mma_sync/cp_merge.py.j2",
@@ -101,12 +102,14 @@ def test_fused_policy(
     monkeypatch: pytest.MonkeyPatch, policy: str, nseq: int, total: int, expected: tuple[int, int]
 ):
     # "auto" leaves the choice to the setup kernel (1) unless its rule could never pick the fused kernel for
-    # the call's sizes (0: then the fused kernel is not even launched). H = 64 value heads, 132 SMs.
+    # the call's sizes (0: then the fused kernel is not even launched). H = 64 value heads, 132 SMs; one CTA
+    # a chain (the pair form below).
     monkeypatch.setenv(paths.ENV_FUSED, policy)
+    monkeypatch.setenv(paths.ENV_FUSED_PAIR, "off")
     spec = KernelSpec(arch="sm_90a")
     plan = make_plan(spec)
     kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
-    assert kernel._fused_args(nseq, 64, total, 132) == expected
+    assert kernel._fused_args(nseq, 64, total, 132) == (*expected, 0)
     plain = KernelSpec(arch="sm_90a", family="mma_sync")
     other = KDAKernel(plain, make_plan(plain), dict.fromkeys(make_plan(plain).stage_names, lambda *a: None))
     assert other._fused_args(nseq, 64, total, 132) == ()  # no fused kernel: forward takes no such arguments
@@ -122,16 +125,17 @@ def test_fused_policy_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "pair"),
-    [({}, True),
-     ({"head_dim_k": 64}, True),
-     ({"state_layout": "vk", "gva_ratio": 4}, True),
-     ({"g_dtype": "fp32"}, False),  # its fp32 g tiles leave no room for the pair form's deeper ring
-     ({"head_dim_v": 64}, False),  # one block of value rows: nothing to split between two CTAs
-     ({"family": "mma_sync"}, False),
-     ({"gate": "softplus", "lower_bound": None, "safe_gate": False}, False)],  # no fused kernel at all
+    ("overrides", "warps"),
+    [({}, 4),
+     ({"head_dim_k": 64}, 4),
+     ({"state_layout": "vk", "gva_ratio": 4}, 4),
+     ({"g_dtype": "fp32"}, 3),  # fp32 g tiles: three prepare warps a CTA leave room for the 8-stage ring
+     ({"g_dtype": "fp32", "head_dim_k": 64}, 4),
+     ({"head_dim_v": 64}, None),  # one block of value rows: nothing to split between two CTAs
+     ({"family": "mma_sync"}, None),
+     ({"gate": "softplus", "lower_bound": None, "safe_gate": False}, None)],  # no fused kernel at all
 )
-def test_fused_pair_form_in_the_plan(overrides: dict, pair: bool):
+def test_fused_pair_form_in_the_plan(overrides: dict, warps: int | None):
     # The CTA-pair form of the fused kernel is a second module compiled into `forward` (the runtime picks it
     # per call), with two CTAs' prepare warps sharing one ring: one stage for each of them at least, and an
     # even depth so that every stage is made by the same CTA.
@@ -140,6 +144,7 @@ def test_fused_pair_form_in_the_plan(overrides: dict, pair: bool):
     spec = KernelSpec(**{"arch": "sm_90a", "g_dtype": "bf16", **overrides})
     plan = make_plan(spec)
     params = {s.name: s.params for s in plan.stages}
+    pair = warps is not None
     assert ("fused_pair" in params) is pair
     assert "fused_pair" not in plan.stage_names
     assert params["forward"]["fused_pair"] is pair
@@ -147,8 +152,10 @@ def test_fused_pair_form_in_the_plan(overrides: dict, pair: bool):
     if pair:
         f = params["fused_pair"]
         assert f["pair"] is True and params["fused"]["pair"] is False
+        assert f["prep_warps"] == warps and params["fused"]["prep_warps"] == 4
         assert f["stages"] >= 2 * f["prep_warps"] and f["stages"] % 2 == 0
-        assert _fused_smem_bytes(spec, f["stages"]) <= get_arch("sm_90a").smem_bytes_per_block
+        smem = _fused_smem_bytes(spec, f["stages"], f["prep_warps"])
+        assert smem <= get_arch("sm_90a").smem_bytes_per_block
 
 
 @pytest.mark.parametrize(

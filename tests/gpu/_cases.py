@@ -68,8 +68,9 @@ SPECS: dict[str, dict[str, Any]] = {
     "p_safe_gva4_l2_vk": make_spec(P_SAFE, gva_ratio=4, state_layout="vk"),
     "lb_gva2_k64v64_fp16_gbf16": make_spec(LB, gva_ratio=2, head_dim_k=64, head_dim_v=64, dtype="fp16",
                                            g_dtype="bf16"),
-    # With a bf16 g, V=128 safe-gate specs also get the fused kernel's CTA-pair form (kdagen.plan); these
-    # three cover it beside lb_safe_gbf16 (tests/gpu/test_numerics.py, test_fused_pair_form).
+    # V=128 safe-gate specs also get the fused kernel's CTA-pair form (kdagen.plan: four prepare warps a CTA
+    # with a bf16 g, three with fp32); these three cover it beside lb_safe and lb_safe_gbf16
+    # (tests/gpu/test_numerics.py, test_fused_pair_form).
     "lb_safe_gva2_vk_bbf16_gbf16": make_spec(LB_SAFE, gva_ratio=2, beta_dtype="bf16", state_layout="vk",
                                              g_dtype="bf16"),
     "lb_safe_k64v128_nol2_bbf16_gbf16": make_spec(LB_SAFE, head_dim_k=64, l2norm_qk=False, beta_dtype="bf16",

@@ -134,9 +134,10 @@ def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # The fused kernel's CTA-pair form (calls whose chains fill at most half the SMs): against the reference, and
-# bit for bit against the one-CTA form (KDAGEN_FUSED_PAIR=off) and the two-stage path, on every spec that has
-# it; the last case of each puts a pair on every SM of a 132-SM card (128 SMs at GVA 4).
-PAIR_SPECS = ("lb_safe_gbf16", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
+# bit for bit against the one-CTA form (KDAGEN_FUSED_PAIR=off) and the two-stage path, on specs that cover it
+# (lb_safe: fp32 g, three prepare warps a CTA; the others four); the last case of each puts a pair on every SM
+# of a 132-SM card (128 SMs at GVA 4).
+PAIR_SPECS = ("lb_safe_gbf16", "lb_safe", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
               "p_safe_gva4_l2_vk_gbf16")
 
 
