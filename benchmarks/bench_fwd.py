@@ -3,8 +3,10 @@
 
 Both run in this process on the same GPU, on the same inputs: H=64, K=V=128, bf16 q/k/v and raw gate,
 l2norm and the lower-bound gate (-5, safe_gate) computed in the kernel, final state on, every input packed as
-[1, B*T] with int32 cu_seqlens. Suites: fixed B in {1,2} x T in {512 ... 16384}; 18 varlen configs (10/20
-sequences x 4096/8192/16384 tokens x uniform/random/skewed); ``--long``: one sequence of 65536 tokens, H=4.
+[1, B*T] with int32 cu_seqlens. With ``--spec``, the spec's head dims, GVA ratio (64 value heads), gate,
+bound, safe-gate promise and l2norm flag set the problem, and FLA is called with the same options. Suites:
+fixed B in {1,2} x T in {512 ... 16384}; 18 varlen configs (10/20 sequences x 4096/8192/16384 tokens x
+uniform/random/skewed); ``--long``: one sequence of 65536 tokens, H=4.
 
 Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
 l2norm, every launch, allocations), after one untimed call and ``--warmup`` more; before the first config,
@@ -48,7 +50,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `import kdagen` work
 
 import torch  # noqa: E402
 
-from kdagen.reference import cu_seqlens_from_lengths, rel_rmse, varlen_lengths  # noqa: E402
+from kdagen.reference import cu_seqlens_from_lengths, kda_gate, rel_rmse, varlen_lengths  # noqa: E402
 
 HEADLINE_SPEC: dict[str, Any] = {
     "arch": "sm_90a",
@@ -61,10 +63,7 @@ HEADLINE_SPEC: dict[str, Any] = {
     "state_layout": "kv",
 }
 HEADS = 64
-HEAD_DIM = 128
-LOWER_BOUND = -5.0
 SEED = 42
-FLOP_PER_TOKEN_HEAD = 183e3  # design.md: ~183 kFLOP per token-head for the chunked forward
 FIXED_GRID = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN_GRID = [(n, total, dist) for total in (4096, 8192, 16384) for n in (10, 20)
                for dist in ("uniform", "random", "skewed")]
@@ -95,6 +94,49 @@ class Config:
 
 
 @dataclass(frozen=True)
+class Problem:
+    """The operator both implementations compute, read from the kdagen spec under test (the headline spec's
+    by default), so that FLA is called with the same gate, bound, safe-gate promise, l2norm and head dims."""
+
+    head_dim_k: int = 128
+    head_dim_v: int = 128
+    gva_ratio: int = 1
+    gate: str = "lower_bound"
+    lower_bound: float | None = -5.0
+    safe_gate: bool = True
+    l2norm_qk: bool = True
+
+    @classmethod
+    def from_spec(cls, info: dict[str, Any]) -> Problem:
+        """From a spec's fields (`KernelSpec.model_dump`); fields it lacks keep the headline's values."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in info.items() if k in names})
+
+    def qk_heads(self, heads: int) -> int:
+        """q/k heads H for `heads` value heads HV (the benchmark's head counts are value heads)."""
+        if heads % self.gva_ratio:
+            raise ValueError(f"heads: {heads} value heads are not a multiple of gva_ratio {self.gva_ratio}")
+        return heads // self.gva_ratio
+
+    def flop_per_token_head(self) -> float:
+        """landscape.md's count for FLA's 64-token chunks: 6 K V on the state path, 6 C K + 4 C V + 2 C^2 / 3
+        intra-chunk (183 kFLOP at K = V = 128), per token and value head."""
+        k, v, c = self.head_dim_k, self.head_dim_v, 64
+        return 6 * k * v + 6 * c * k + 4 * c * v + 2 * c * c / 3
+
+    def fla_kwargs(self) -> dict[str, Any]:
+        """chunk_kda's options for this operator (fla-core 0.6.0): the gate in the kernel unless precomputed,
+        the sigmoid form selected by `lower_bound`, the softplus form by its absence."""
+        in_kernel = self.gate != "precomputed"
+        return {"use_qk_l2norm_in_kernel": self.l2norm_qk, "use_gate_in_kernel": in_kernel,
+                "safe_gate": self.safe_gate,
+                "lower_bound": self.lower_bound if self.gate == "lower_bound" else None}
+
+
+HEADLINE = Problem()
+
+
+@dataclass(frozen=True)
 class Card:
     name: str
     slug: str
@@ -120,7 +162,7 @@ def detect_card(hbm_tbps: float | None, peak_tflops: float | None) -> Card:
                 peak_tflops if peak_tflops is not None else peak)
 
 
-def build_configs(quick: bool, only: str | None, long: bool) -> list[Config]:
+def build_configs(quick: bool, only: str | None, long: bool, gva_ratio: int = 1) -> list[Config]:
     configs: list[Config] = []
     if only in (None, "fixed"):
         for b, t in QUICK_FIXED if quick else FIXED_GRID:
@@ -129,7 +171,8 @@ def build_configs(quick: bool, only: str | None, long: bool) -> list[Config]:
         for n, total, dist in QUICK_VARLEN if quick else VARLEN_GRID:
             configs.append(Config(f"N{n}-T{total}-{dist}", "varlen", tuple(varlen_lengths(n, total, dist))))
     if long:
-        configs.append(Config("long-T65536-H4", "long", (65536,), heads=4))
+        heads = max(4, gva_ratio)  # value heads: at least one q/k head
+        configs.append(Config(f"long-T65536-H{heads}", "long", (65536,), heads=heads))
     return configs
 
 
@@ -151,17 +194,18 @@ class Floors:
 
 
 def physical_floors(cfg: Config, card: Card, step_us: float, chunk: int, io_bytes: dict[str, int],
-                    segment: int | None = None) -> Floors:
+                    segment: int | None = None, problem: Problem = HEADLINE) -> Floors:
     """Lower bounds on the time of one call: every byte moved once, every FLOP at peak, and the serial chain
     of ceil(max_len / chunk) dependent state updates per (sequence, head). Cut into segments of `segment`
     tokens (intra-card CP) the chain is a segment's steps for its map, the merge's one step per segment, and
     the segment's steps again for its pass."""
-    th = cfg.total * cfg.heads
-    K = V = HEAD_DIM
-    per_token_head = (2 * K * io_bytes["qk"] + V * io_bytes["v"] + K * io_bytes["g"] + io_bytes["beta"]
-                      + V * io_bytes["o"])  # ~1.3 KB for bf16 q/k/v/g/o and fp32 beta
-    nbytes = th * per_token_head + len(cfg.lengths) * cfg.heads * K * V * 4  # + the fp32 final state
-    flops = FLOP_PER_TOKEN_HEAD * th
+    th = cfg.total * cfg.heads  # token x value head
+    K, V = problem.head_dim_k, problem.head_dim_v
+    # q and k are read once per q/k head, shared by gva_ratio value heads
+    per_token_head = (2 * K * io_bytes["qk"] / problem.gva_ratio + V * io_bytes["v"] + K * io_bytes["g"]
+                      + io_bytes["beta"] + V * io_bytes["o"])  # ~1.3 KB for bf16 q/k/v/g/o and fp32 beta
+    nbytes = round(th * per_token_head) + len(cfg.lengths) * cfg.heads * K * V * 4  # + the fp32 final state
+    flops = problem.flop_per_token_head() * th
     hbm_ms = nbytes / (card.hbm_tbps * 1e12) * 1e3 if card.hbm_tbps else None
     flop_ms = flops / (card.bf16_tflops * 1e12) * 1e3 if card.bf16_tflops else None
     if segment:
@@ -177,15 +221,27 @@ def physical_floors(cfg: Config, card: Card, step_us: float, chunk: int, io_byte
 # ---------------------------------------------------------------------------------------------------------
 
 
-def make_bench_inputs(cfg: Config, device: torch.device) -> dict[str, torch.Tensor]:
+def make_bench_inputs(
+    cfg: Config, device: torch.device, problem: Problem = HEADLINE
+) -> dict[str, torch.Tensor | None]:
     """kda-math §4.4 (cuLA prepare_safe_gate_inputs): seed 42, q/k/v/g_raw randn bf16, beta sigmoid(randn)
-    fp32, A_log randn(H) fp32, dt_bias randn(H*K) fp32; packed [1, total] with int32 cu_seqlens."""
+    fp32, A_log randn(HV) fp32, dt_bias randn(HV*K) fp32; packed [1, total] with int32 cu_seqlens. With a
+    precomputed gate, g is the fp32 log-decay of that raw g (the sigmoid form with the spec's bound under
+    safe_gate, else softplus), and A_log and dt_bias are None."""
     torch.manual_seed(SEED)
-    shape = (1, cfg.total, cfg.heads, HEAD_DIM)
-    q, k, v, g = (torch.randn(shape, dtype=torch.bfloat16, device=device) for _ in range(4))
-    beta = torch.randn(1, cfg.total, cfg.heads, dtype=torch.float32, device=device).sigmoid()
-    A_log = torch.randn(cfg.heads, dtype=torch.float32, device=device)
-    dt_bias = torch.randn(cfg.heads * HEAD_DIM, dtype=torch.float32, device=device)
+    hv, kd, vd = cfg.heads, problem.head_dim_k, problem.head_dim_v
+    h = problem.qk_heads(hv)
+    q, k = (torch.randn((1, cfg.total, h, kd), dtype=torch.bfloat16, device=device) for _ in range(2))
+    v = torch.randn((1, cfg.total, hv, vd), dtype=torch.bfloat16, device=device)
+    g = torch.randn((1, cfg.total, hv, kd), dtype=torch.bfloat16, device=device)
+    beta = torch.randn(1, cfg.total, hv, dtype=torch.float32, device=device).sigmoid()
+    A_log: torch.Tensor | None = torch.randn(hv, dtype=torch.float32, device=device)
+    dt_bias: torch.Tensor | None = torch.randn(hv * kd, dtype=torch.float32, device=device)
+    if problem.gate == "precomputed":
+        bounded = problem.safe_gate and problem.lower_bound is not None
+        g = kda_gate(g, gate="lower_bound" if bounded else "softplus", A_log=A_log, dt_bias=dt_bias,
+                     lower_bound=problem.lower_bound if bounded else None)
+        A_log = dt_bias = None
     cu = cu_seqlens_from_lengths(cfg.lengths, device, dtype=torch.int32)
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
             "cu_seqlens": cu}
@@ -217,12 +273,14 @@ def load_fla() -> tuple[Callable[..., Any] | None, str]:
     return chunk_kda, note
 
 
-def fla_call(chunk_kda: Callable[..., Any], inp: dict[str, torch.Tensor]) -> Callable[[], Any]:
+def fla_call(chunk_kda: Callable[..., Any], inp: dict[str, torch.Tensor],
+             problem: Problem = HEADLINE) -> Callable[[], Any]:
+    options = problem.fla_kwargs()
+
     def call() -> Any:
         return chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
-                         dt_bias=inp["dt_bias"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         safe_gate=True, lower_bound=LOWER_BOUND, output_final_state=True,
-                         cu_seqlens=inp["cu_seqlens"])
+                         dt_bias=inp["dt_bias"], output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+                         **options)
 
     return call
 
@@ -245,6 +303,11 @@ class KdagenTarget:
             self.kernel = kdagen.get_kernel(self.spec_arg)
         except Exception as e:  # report in every row, keep benchmarking FLA
             self.error = _short_error(e)
+
+    @property
+    def problem(self) -> Problem:
+        """The operator of the spec (the headline's where the spec could not be read)."""
+        return Problem.from_spec(self.info) if self.info else Problem.from_spec(HEADLINE_SPEC)
 
     @property
     def chunk(self) -> int:
@@ -305,10 +368,10 @@ def warm_up(cfg: Config, seconds: float, fla: Callable[..., Any] | None, target:
     """Call FLA and kdagen on `cfg`'s inputs for `seconds` (half each) before anything is timed: the first
     calls of a fresh process (lazy loads, allocator pools) and of an idle GPU (clocks) are slower than the
     steady state the benchmark reports. Errors are left to the timed calls to report."""
-    inp = make_bench_inputs(cfg, torch.device("cuda"))
+    inp = make_bench_inputs(cfg, torch.device("cuda"), target.problem)
     calls = [target.call(inp)] if target.kernel is not None else []
     if fla is not None:
-        calls.append(fla_call(fla, inp))
+        calls.append(fla_call(fla, inp, target.problem))
     for fn in calls:
         end = time.perf_counter() + seconds / len(calls)
         try:
@@ -322,9 +385,10 @@ def warm_up(cfg: Config, seconds: float, fla: Callable[..., Any] | None, target:
 
 def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[..., Any] | None,
                target: KdagenTarget) -> dict[str, Any]:
-    inp = make_bench_inputs(cfg, torch.device("cuda"))
+    inp = make_bench_inputs(cfg, torch.device("cuda"), target.problem)
     segment = target.cp_segment_len(cfg)
-    floors = physical_floors(cfg, card, args.step_us, target.chunk, target.io_bytes(), segment)
+    floors = physical_floors(cfg, card, args.step_us, target.chunk, target.io_bytes(), segment,
+                             target.problem)
     row: dict[str, Any] = {
         "config": cfg.name, "kind": cfg.kind, "heads": cfg.heads, "num_seqs": len(cfg.lengths),
         "total_tokens": cfg.total, "max_len": cfg.max_len,
@@ -335,7 +399,8 @@ def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[
     }
     fla_out = kd_out = None
     if fla is not None:
-        fla_out, row["fla_ms"], row["fla_error"] = _measure(fla_call(fla, inp), args.warmup, args.iters)
+        fla_out, row["fla_ms"], row["fla_error"] = _measure(fla_call(fla, inp, target.problem), args.warmup,
+                                                            args.iters)
     if target.kernel is not None:
         kd_out, row["kdagen_ms"], row["kdagen_error"] = _measure(target.call(inp), args.warmup, args.iters)
     else:
@@ -425,11 +490,16 @@ def headline_geomean(rows: list[dict[str, Any]]) -> tuple[float | None, int]:
     return geomean(speedups), len(speedups)
 
 
+def _title(card: str, date: str, spec_arg: str | None) -> str:
+    what = f"{spec_arg} (FLA with the same gate and flags)" if spec_arg else "headline spec"
+    return f"KDA forward, kdagen vs FLA chunk_kda, {card} ({date}), {what}"
+
+
 def markdown_from_json(path: Path) -> str:
     data = json.loads(path.read_text())
     meta, rows = data["meta"], data["rows"]
     gm, n = headline_geomean(rows)
-    title = f"KDA forward, kdagen vs FLA chunk_kda, {meta['card']['name']} ({meta['date'][:10]})"
+    title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"))
     footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; median of {meta['iters']} "
               f"(warmup {meta['warmup']}); {meta['fla']}, torch {meta['torch']}; floors: HBM "
               f"{_fmt(meta['card']['hbm_tbps'], 'g')} TB/s, "
@@ -509,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kdagen: could not get the kernel: {target.error}")
 
     rows = []
-    configs = build_configs(args.quick, args.only, args.long)
+    configs = build_configs(args.quick, args.only, args.long, target.problem.gva_ratio)
     if configs:
         warm_up(configs[0], args.warmup_s, fla, target)
     for i, cfg in enumerate(configs, 1):
@@ -522,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     gm = geomean(speedups)
     headline_gm, n_headline = headline_geomean(rows)
     date = dt.datetime.now().strftime("%Y-%m-%d")
-    title = f"KDA forward, kdagen vs FLA chunk_kda, {card.name} ({date})"
+    title = _title(card.name, date, args.spec)
     # The headline geomean (the issue's bar) is over the 28 headline configs only, as in the Markdown table.
     footer = (f"geomean speedup {_fmt(headline_gm, '.3f')}x over the {n_headline} headline configs "
               f"({_fmt(gm, '.3f')}x over all {len(speedups)} run); median of {args.iters} "
@@ -537,8 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now().isoformat(timespec="seconds"), "card": asdict(card),
         "torch": torch.__version__, "cuda": torch.version.cuda, "fla": fla_note,
         "FLA_USE_FAST_OPS": os.environ.get("FLA_USE_FAST_OPS"), "kdagen_spec": target.info or target.spec_arg,
-        "kdagen_error": target.error, "iters": args.iters, "warmup": args.warmup, "step_us": args.step_us,
-        "flop_per_token_head": FLOP_PER_TOKEN_HEAD, "seed": SEED, "geomean_speedup": gm,
+        "spec_arg": args.spec, "kdagen_error": target.error, "iters": args.iters, "warmup": args.warmup,
+        "step_us": args.step_us, "flop_per_token_head": target.problem.flop_per_token_head(),
+        "fla_options": target.problem.fla_kwargs(), "seed": SEED, "geomean_speedup": gm,
         "headline_geomean_speedup": headline_gm,
     }
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -37,3 +37,53 @@ def test_warm_up_seconds_are_an_option_and_must_not_be_negative():
     assert bench_fwd.parse_args(["--warmup-s", "0"]).warmup_s == 0.0
     with pytest.raises(SystemExit):
         bench_fwd.parse_args(["--warmup-s", "-1"])
+
+
+def _problem(name: str) -> bench_fwd.Problem:
+    from kdagen.spec import resolve_spec
+
+    _, spec = resolve_spec(f"specs/sm90.yaml:{name}")
+    return bench_fwd.Problem.from_spec(spec.model_dump(mode="json"))
+
+
+def test_fla_is_called_with_the_gate_of_the_spec_under_test():
+    # The headline: the sigmoid form with its bound and the safe-gate promise.
+    assert bench_fwd.Problem.from_spec(bench_fwd.HEADLINE_SPEC) == bench_fwd.HEADLINE
+    assert bench_fwd.HEADLINE.fla_kwargs() == {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
+                                               "safe_gate": True, "lower_bound": -5.0}
+    # softplus: FLA selects it by the absence of lower_bound, and there is no promise.
+    soft = _problem("k128-softplus").fla_kwargs()
+    assert soft["use_gate_in_kernel"] and soft["lower_bound"] is None and not soft["safe_gate"]
+    # precomputed: FLA takes g as the log-decay.
+    pre = _problem("k128-pre").fla_kwargs()
+    assert not pre["use_gate_in_kernel"] and pre["lower_bound"] is None and pre["safe_gate"]
+
+
+def test_inputs_follow_the_spec_head_dims_gva_and_gate():
+    import torch
+
+    cfg = bench_fwd.Config("T100", "fixed", (100,), heads=8)
+    inp = bench_fwd.make_bench_inputs(cfg, torch.device("cpu"), _problem("k128-gva2"))
+    assert inp["q"].shape == (1, 100, 4, 128) and inp["v"].shape == (1, 100, 8, 128)
+    assert inp["g"].shape == (1, 100, 8, 128) and inp["dt_bias"].shape == (8 * 128,)
+    inp = bench_fwd.make_bench_inputs(cfg, torch.device("cpu"), _problem("k64"))
+    assert inp["q"].shape == (1, 100, 8, 64) and inp["v"].shape == (1, 100, 8, 64)
+    # precomputed: g is the bounded log-decay the safe-gate promise asks for, with no gate parameters
+    inp = bench_fwd.make_bench_inputs(cfg, torch.device("cpu"), _problem("k128-pre"))
+    assert inp["g"].dtype == torch.float32 and inp["A_log"] is None and inp["dt_bias"] is None
+    assert float(inp["g"].min()) >= -5.0 and float(inp["g"].max()) < 0.0
+    with pytest.raises(ValueError, match="gva_ratio"):
+        bench_fwd.make_bench_inputs(bench_fwd.Config("x", "fixed", (8,), heads=3), torch.device("cpu"),
+                                    _problem("k128-gva2"))
+
+
+def test_floors_follow_head_dims_and_gva():
+    cfg = bench_fwd.Config("T1024", "fixed", (1024,), heads=64)
+    base = bench_fwd.physical_floors(cfg, CARD, 1.0, 16, IO)
+    gva = bench_fwd.physical_floors(cfg, CARD, 1.0, 16, IO, problem=_problem("k128-gva2"))
+    small = bench_fwd.physical_floors(cfg, CARD, 1.0, 16, IO, problem=_problem("k64"))
+    assert base.flops == pytest.approx(1024 * 64 * 182954.67, rel=1e-6)  # landscape.md: ~183 kFLOP
+    assert base.bytes - gva.bytes == 1024 * 64 * 128 * 2  # half of the q and k bytes (bf16)
+    assert small.bytes < base.bytes / 2 and small.flops < base.flops / 2
+    long_cfg = bench_fwd.build_configs(False, "fixed", True, gva_ratio=8)[-1]
+    assert long_cfg.kind == "long" and long_cfg.heads == 8
