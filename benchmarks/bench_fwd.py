@@ -490,8 +490,10 @@ def headline_geomean(rows: list[dict[str, Any]]) -> tuple[float | None, int]:
     return geomean(speedups), len(speedups)
 
 
-def _title(card: str, date: str, spec_arg: str | None) -> str:
-    what = f"{spec_arg} (FLA with the same gate and flags)" if spec_arg else "headline spec"
+def _title(card: str, date: str, spec_arg: str | None, with_fla: bool = True) -> str:
+    what = "headline spec"
+    if spec_arg:
+        what = spec_arg + (" (FLA with the same gate and flags)" if with_fla else "")
     return f"KDA forward, kdagen vs FLA chunk_kda, {card} ({date}), {what}"
 
 
@@ -499,7 +501,8 @@ def markdown_from_json(path: Path) -> str:
     data = json.loads(path.read_text())
     meta, rows = data["meta"], data["rows"]
     gm, n = headline_geomean(rows)
-    title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"))
+    title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"),
+                   any(r.get("fla_ms") for r in rows))
     footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; median of {meta['iters']} "
               f"(warmup {meta['warmup']}); {meta['fla']}, torch {meta['torch']}; floors: HBM "
               f"{_fmt(meta['card']['hbm_tbps'], 'g')} TB/s, "
@@ -592,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     gm = geomean(speedups)
     headline_gm, n_headline = headline_geomean(rows)
     date = dt.datetime.now().strftime("%Y-%m-%d")
-    title = _title(card.name, date, args.spec)
+    title = _title(card.name, date, args.spec, fla is not None)
     # The headline geomean (the issue's bar) is over the 28 headline configs only, as in the Markdown table.
     footer = (f"geomean speedup {_fmt(headline_gm, '.3f')}x over the {n_headline} headline configs "
               f"({_fmt(gm, '.3f')}x over all {len(speedups)} run); median of {args.iters} "

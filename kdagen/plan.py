@@ -150,7 +150,7 @@ def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
     per_warp += CHUNK * 16 * g_bytes + CHUNK * 4  # a block of g, beta
     if not spec.safe_gate:
-        per_warp += 3 * CHUNK * k * 4  # fp32 k, q and b for the pairwise (anchored) path
+        per_warp += 3 * CHUNK * (k + 4) * 4  # fp32 k, q and b for the pairwise path (rows padded by 4 words)
     per_cta = PREPARE_HEADS_PER_CTA * per_warp + 1024  # + the driver's reserve
     capacity = get_arch(spec.arch).smem_bytes_per_block
     return max(1, min(4, capacity // per_cta))
