@@ -17,7 +17,8 @@ _DSL_DTYPE = {"bf16": "BFloat16", "fp16": "Float16", "fp32": "Float32"}
 # Tokens per recurrence step. 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range
 # under the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
 CHUNK = 16
-# Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it).
+# Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it): four, or fewer
+# where a warp's shared memory would leave an SM fewer warps (the pairwise path: `_prepare_layout`).
 PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
@@ -135,25 +136,42 @@ def _common_params(spec: KernelSpec) -> dict[str, Any]:
     }
 
 
-def _prepare_ctas_per_sm(spec: KernelSpec) -> int:
-    """CTAs of the prepare stage an SM should hold; the compiler caps registers to fit that many.
-
-    The stage is latency-bound (short dependent phases per warp; ncu on an H200 measured ~5 cycles per issued
-    instruction at 8 warps per SM), so occupancy is what makes it fast, and shared memory per CTA sets the
-    ceiling: four warps, each staging its own q and k tiles, the fold's kr and one 16-column block of g (the
-    small per-tile matrices reuse the q and k tiles). Four CTAs (16 warps, 128 registers a thread) is the most
-    the register file allows without spilling the fragment-resident tile.
-    """
+def _prepare_warp_smem(spec: KernelSpec) -> int:
+    """Shared memory of one prepare warp (templates/mma_sync/prepare.py.j2): its q and k tiles (16-bit,
+    padded rows), the fold's kr, one 16-column block of g and beta (the small per-tile matrices reuse the q
+    and k tiles); without the safe gate also the pairwise path's tiles: b in fp32 and copies of the raw q
+    and k, rows of K + 4 elements, and the per-row scale factors."""
     k = spec.head_dim_k
     g_bytes = 4 if spec.g_dtype == "fp32" else 2
     per_warp = 2 * CHUNK * (k + 8) * 2  # q, k tiles (16-bit, padded rows)
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
     per_warp += CHUNK * 16 * g_bytes + CHUNK * 4  # a block of g, beta
     if not spec.safe_gate:
-        per_warp += 3 * CHUNK * (k + 4) * 4  # fp32 k, q and b for the pairwise path (rows padded by 4 words)
-    per_cta = PREPARE_HEADS_PER_CTA * per_warp + 1024  # + the driver's reserve
+        per_warp += CHUNK * (k + 4) * (4 + 2 * 2) + 2 * CHUNK * 4  # b (fp32), raw q and k (16-bit), scales
+    return per_warp
+
+
+def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
+    """(value heads a prepare CTA, prepare CTAs an SM): the compiler caps registers to fit that many.
+
+    The stage is latency-bound (short dependent phases per warp; ncu on an H200 measured ~5 cycles per issued
+    instruction at 8 warps per SM), so occupancy is what makes it fast, and shared memory per warp sets the
+    ceiling. Four heads a CTA and at most four CTAs (16 warps, 128 registers a thread) is the most the
+    register file allows without spilling the fragment-resident tile. The pairwise path (no safe gate, ~31
+    KB a warp at K=128) takes the heads a CTA, of four, two or one, that put the most warps on an SM: four
+    heads fit one CTA on sm_90a (four warps), one head seven (H100, softplus spec, 8% faster end to end:
+    docs/internals.md, "The pairwise path"); on sm_89 four heads did not fit at all.
+    """
     capacity = get_arch(spec.arch).smem_bytes_per_block
-    return max(1, min(4, capacity // per_cta))
+    per_warp = _prepare_warp_smem(spec)
+    if spec.safe_gate:
+        return PREPARE_HEADS_PER_CTA, max(1, min(4, capacity // (PREPARE_HEADS_PER_CTA * per_warp + 1024)))
+    best = (0, 1, 1)
+    for heads in (PREPARE_HEADS_PER_CTA, 2, 1):
+        ctas = min(16 // heads, capacity // (heads * per_warp + 1024))  # + the driver's reserve
+        if heads * ctas > best[0]:
+            best = (heads * ctas, heads, ctas)
+    return best[1], best[2]
 
 
 # Registers of the sequence-mode recurrence CTA, as ptxas reports them for the generated sm_90a code at
@@ -251,7 +269,7 @@ def make_plan(spec: KernelSpec) -> Plan:
     if pair:
         reason += ", in CTA pairs when they fill half"
     common = _common_params(spec)
-    ctas = _prepare_ctas_per_sm(spec)
+    heads, ctas = _prepare_layout(spec)
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
     # the recurrence starts when prepare ends, and the ready flags are then always set.
     pdl = get_arch(spec.arch).has_pdl
@@ -259,7 +277,14 @@ def make_plan(spec: KernelSpec) -> Plan:
     # thread at four CTAs; ptxas spills ~48 bytes); the cap is 65536 over the CTAs' threads, rounded down to
     # the allocation unit of 8.
     min_ctas = ctas + 1 if pdl else ctas
-    prepare_regs = min(255, 65536 // (32 * PREPARE_HEADS_PER_CTA * min_ctas)) // 8 * 8
+    prepare_regs = min(255, 65536 // (32 * heads * min_ctas)) // 8 * 8
+    # Beside the recurrence, prepare leaves room for one recurrence CTA. Not with fewer heads a CTA (the
+    # pairwise path): its CTAs fill an SM's shared memory and registers, and a recurrence CTA could only
+    # start where most of them were left out, so prepare keeps the SMs and the recurrence follows as they
+    # free up (as it did before, when its one four-warp CTA and a recurrence CTA did not fit one SM's
+    # registers either).
+    beside = _prepare_ctas_beside(family, ctas, prepare_regs) if pdl and heads == PREPARE_HEADS_PER_CTA \
+        else ctas
     # Templates of the stages both families share (prepare, intra-card CP): the wgmma family differs in the
     # recurrence only.
     shared = "mma_sync"
@@ -274,13 +299,13 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": _DSL_DTYPE[spec.g_dtype],
             "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
-            "heads_per_cta": PREPARE_HEADS_PER_CTA,
+            "heads_per_cta": heads,
             # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
             "ctas_per_sm": ctas,
             # ... and when the recurrence runs beside it: fewer, which leave an SM the shared memory of one
             # recurrence CTA (~31 KB mma_sync, ~48 KB wgmma) and its registers (one prepare CTA fewer for
             # mma_sync, two for wgmma: `_prepare_ctas_beside`) ...
-            "overlap_ctas_per_sm": _prepare_ctas_beside(family, ctas, prepare_regs) if pdl else ctas,
+            "overlap_ctas_per_sm": beside,
             # ... for which registers are capped (`prepare_regs`).
             "min_ctas_per_sm": min_ctas,
             "pdl": pdl,
