@@ -164,10 +164,11 @@ def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
     """
     capacity = get_arch(spec.arch).smem_bytes_per_block
     per_warp = _prepare_warp_smem(spec)
-    if spec.safe_gate:
-        return PREPARE_HEADS_PER_CTA, max(1, min(4, capacity // (PREPARE_HEADS_PER_CTA * per_warp + 1024)))
-    best = (0, 1, 1)
-    for heads in (PREPARE_HEADS_PER_CTA, 2, 1):
+    # With the safe gate only four heads: the other layouts were never measured there (more warps on
+    # sm_80/sm_89, which cannot be run here).
+    choices = (PREPARE_HEADS_PER_CTA,) if spec.safe_gate else (PREPARE_HEADS_PER_CTA, 2, 1)
+    best = (0, PREPARE_HEADS_PER_CTA, 1)
+    for heads in choices:
         ctas = min(16 // heads, capacity // (heads * per_warp + 1024))  # + the driver's reserve
         if heads * ctas > best[0]:
             best = (heads * ctas, heads, ctas)
