@@ -9,7 +9,9 @@ fixed B in {1,2} x T in {512 ... 16384}; 18 varlen configs (10/20 sequences x 40
 uniform/random/skewed); ``--long``: one sequence of 65536 tokens, H=4.
 
 Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
-l2norm, every launch, allocations), after one untimed call and ``--warmup`` more; before the first config,
+l2norm, every launch, allocations), after one untimed call and ``--warmup`` more, taken in ``--rounds``
+rounds in which FLA and kdagen take turns; a config's time is the median of its rounds (a slow spell of the
+host then lands on both sides, not on whichever ran during it). Before the first config,
 both run for ``--warmup-s`` seconds on its inputs, so that the process and the GPU are in their steady state
 (in one H200 run without it, the first rows took ~1.6x as long as the same calls in a later process on that
 machine). Reported: ms for each,
@@ -353,15 +355,28 @@ def _short_error(e: BaseException, limit: int = 160) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _measure(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[Any, float | None, str | None]:
-    """(outputs of a first call, median ms, error)."""
+def _first_call(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(outputs of an untimed first call, error)."""
     try:
         out = fn()
         torch.cuda.synchronize()
-        return out, time_ms(fn, warmup, iters), None
+        return out, None
     except Exception as e:
         torch.cuda.synchronize()
-        return None, None, _short_error(e)
+        return None, _short_error(e)
+
+
+def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int,
+                iters: int) -> dict[str, list[float]]:
+    """Per-round medians (ms) of each callable, the callables taking turns round by round.
+
+    Alternating keeps a slow spell of the host or the GPU (clocks, a background process) from landing on one
+    side only; the reported time is the median of the rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, warmup, iters))
+    return times
 
 
 def warm_up(cfg: Config, seconds: float, fla: Callable[..., Any] | None, target: KdagenTarget) -> None:
@@ -398,13 +413,26 @@ def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[
         "binding_floor": floors.binding[0], "binding_floor_ms": floors.binding[1], "cp_segment_len": segment,
     }
     fla_out = kd_out = None
+    timed: dict[str, Callable[[], Any]] = {}
     if fla is not None:
-        fla_out, row["fla_ms"], row["fla_error"] = _measure(fla_call(fla, inp, target.problem), args.warmup,
-                                                            args.iters)
+        fla_fn = fla_call(fla, inp, target.problem)
+        fla_out, row["fla_error"] = _first_call(fla_fn)
+        if row["fla_error"] is None:
+            timed["fla"] = fla_fn
     if target.kernel is not None:
-        kd_out, row["kdagen_ms"], row["kdagen_error"] = _measure(target.call(inp), args.warmup, args.iters)
+        kd_fn = target.call(inp)
+        kd_out, row["kdagen_error"] = _first_call(kd_fn)
+        if row["kdagen_error"] is None:
+            timed["kdagen"] = kd_fn
     else:
-        row["kdagen_ms"], row["kdagen_error"] = None, target.error
+        row["kdagen_error"] = target.error
+    try:
+        for who, rounds in time_rounds(timed, args.rounds, args.warmup, args.iters).items():
+            row[f"{who}_rounds_ms"] = rounds
+            row[f"{who}_ms"] = statistics.median(rounds)
+    except Exception as e:  # a failure on a later call: report it in the row, keep the run going
+        torch.cuda.synchronize()
+        row["kdagen_error"] = row.get("kdagen_error") or _short_error(e)
     if row.get("fla_ms") and row.get("kdagen_ms"):
         row["speedup"] = row["fla_ms"] / row["kdagen_ms"]
     for who in ("kdagen", "fla"):
@@ -497,14 +525,21 @@ def _title(card: str, date: str, spec_arg: str | None, with_fla: bool = True) ->
     return f"KDA forward, kdagen vs FLA chunk_kda, {card} ({date}), {what}"
 
 
+def _timing(meta: dict[str, Any]) -> str:
+    # Runs before --rounds existed timed one round per config.
+    rounds = meta.get("rounds", 1)
+    median = f"median of {meta['iters']} (warmup {meta['warmup']})"
+    return median if rounds == 1 else f"{median}, median of {rounds} alternating rounds"
+
+
 def markdown_from_json(path: Path) -> str:
     data = json.loads(path.read_text())
     meta, rows = data["meta"], data["rows"]
     gm, n = headline_geomean(rows)
     title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"),
                    any(r.get("fla_ms") for r in rows))
-    footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; median of {meta['iters']} "
-              f"(warmup {meta['warmup']}); {meta['fla']}, torch {meta['torch']}; floors: HBM "
+    footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; {_timing(meta)}; "
+              f"{meta['fla']}, torch {meta['torch']}; floors: HBM "
               f"{_fmt(meta['card']['hbm_tbps'], 'g')} TB/s, "
               f"{_fmt(meta['card']['bf16_tflops'], 'g')} TFLOP/s, "
               f"serial {meta['step_us']:g} us per step")
@@ -546,7 +581,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=("fixed", "varlen"), help="run one suite only")
     p.add_argument("--long", action="store_true", help="also run one sequence of T=65536 with H=4")
     p.add_argument("--iters", type=int, default=30, help="timed calls per config (median reported)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before each round's timed calls")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per config, FLA and kdagen taking turns (median of the round medians)")
     p.add_argument("--warmup-s", type=float, default=2.0,
                    help="seconds both run on the first config's inputs before anything is timed")
     p.add_argument("--spec", help='kdagen spec "file.yaml:name" (default: the headline spec dict)')
@@ -558,8 +595,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", type=Path, help="plot file (default: the JSON path with .png)")
     p.add_argument("--md-from", type=Path, help="only write the Markdown table of an existing result JSON")
     args = p.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.warmup_s < 0:
-        p.error("--iters must be >= 1, --warmup and --warmup-s >= 0")
+    if args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.warmup_s < 0:
+        p.error("--iters and --rounds must be >= 1, --warmup and --warmup-s >= 0")
     return args
 
 
@@ -598,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     title = _title(card.name, date, args.spec, fla is not None)
     # The headline geomean (the issue's bar) is over the 28 headline configs only, as in the Markdown table.
     footer = (f"geomean speedup {_fmt(headline_gm, '.3f')}x over the {n_headline} headline configs "
-              f"({_fmt(gm, '.3f')}x over all {len(speedups)} run); median of {args.iters} "
-              f"(warmup {args.warmup}); floors: HBM {_fmt(card.hbm_tbps, 'g')} TB/s, "
+              f"({_fmt(gm, '.3f')}x over all {len(speedups)} run); {_timing(vars(args))}; "
+              f"floors: HBM {_fmt(card.hbm_tbps, 'g')} TB/s, "
               f"{_fmt(card.bf16_tflops, 'g')} TFLOP/s, serial {args.step_us:g} us per "
               f"{target.chunk}-token step")
     print_table(rows, title, footer)
@@ -611,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "fla": fla_note,
         "FLA_USE_FAST_OPS": os.environ.get("FLA_USE_FAST_OPS"), "kdagen_spec": target.info or target.spec_arg,
         "spec_arg": args.spec, "kdagen_error": target.error, "iters": args.iters, "warmup": args.warmup,
+        "rounds": args.rounds,
         "step_us": args.step_us, "flop_per_token_head": target.problem.flop_per_token_head(),
         "fla_options": target.problem.fla_kwargs(), "seed": SEED, "geomean_speedup": gm,
         "headline_geomean_speedup": headline_gm,
