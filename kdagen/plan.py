@@ -78,6 +78,13 @@ FUSED_QUEUE = 4
 # CTA pairs").
 FUSED_PAIR_STAGES = 8
 FUSED_PAIR_STEP = 0.6
+# The pair form is taken within FUSED_PAIR_MARGIN (not FUSED_MARGIN) of the balanced steps. Device times by
+# CUDA-graph replay (H100, 2026-11-27, B=1, us, pairs against the two-stage path; in brackets the estimate
+# over balanced): H=64 T=128 23.6/20.7 [1.70], T=256 31.0/30.8 [1.47], T=512 48.2/54.0 [1.31], T=768
+# 63.6/71.6 [1.32], T=1024 76.8/89.7 [1.30], T=2048 139.8/159.8 [1.27]; H=48 T=512-2048 0.94-1.02 of the
+# two-stage time [1.69-1.81]; H=32 and H=16 1.07-1.38 [2.5 and more]. With 1.3, T=512 and T=768 at H=64
+# missed by 1%; 1.4 takes every H=64 call from T=512 up and keeps every call at 48 heads and fewer off.
+FUSED_PAIR_MARGIN = 1.4
 
 
 @dataclass(frozen=True)
@@ -351,6 +358,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "fused_fill_steps": FUSED_FILL_STEPS,
             "fused_pair": pair,
             "fused_pair_step": FUSED_PAIR_STEP,
+            "fused_pair_margin": FUSED_PAIR_MARGIN,
         },
     )
     # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).

@@ -128,6 +128,7 @@ class KDAKernel:
         # Its CTA-pair form, when the variant has one: what a step of a pair costs in one-CTA steps.
         pair = params["forward"].get("fused_pair")
         self._pair_step = params["forward"]["fused_pair_step"] if pair else None
+        self._pair_margin = params["forward"]["fused_pair_margin"] if pair else None
         self._dummies: dict[tuple, torch.Tensor] = {}
         self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
         self._validated: dict[tuple, tuple[int, int, int, int, int]] = {}  # signature -> (B, T, H, HV, N)
@@ -191,10 +192,11 @@ class KDAKernel:
         kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is settled
         here from the sizes the host knows, which also spares it the fused kernel's launch (a persistent
         grid of up to one 200 KB CTA per SM that would find the queue empty and exit). The
-        setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV
-        / SMs (steps, F = the fill steps; the left side times the pair step when `pair` is 1); here the
-        mean is bounded below by total / 16 / N and the sum above by total / 16 + N, so "no" here is "no"
-        there. `pair` is 1 where every chain gets two CTAs at once (the pair form has no chain counter).
+        setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV / SMs
+        (steps, F = the fill steps; when `pair` is 1, the left side times the pair step and the pair form's
+        own margin); here the mean is bounded below by total / 16 / N and the sum above by total / 16 + N,
+        so "no" here is "no" there. `pair` is 1 where every chain gets two CTAs at once (the pair form has
+        no chain counter).
         """
         if self._fused_margin is None:
             return ()
@@ -211,9 +213,11 @@ class KDAKernel:
             return (2, sms, *pair)
         waves = -(-chains // sms)
         low = waves * total / CHUNK / max(nseq, 1) + self._fused_fill
+        margin = self._fused_margin
         if pair and pair[0]:
             low *= self._pair_step
-        high = self._fused_margin * (total / CHUNK + nseq) * hv / sms
+            margin = self._pair_margin
+        high = margin * (total / CHUNK + nseq) * hv / sms
         return (int(nseq > 0 and low <= high), sms, *pair)
 
     @staticmethod

@@ -210,6 +210,7 @@ def _fused_expected(lengths: tuple[int, ...], heads: int, kernel: Any) -> bool |
     estimate = max(max(steps), waves * sum(steps) / len(steps)) + fill
     if len(args) > 2 and args[2]:  # the pair form: a step of a pair in steps of a one-CTA chain
         estimate *= forward["fused_pair_step"]
+        margin = forward["fused_pair_margin"]
     return estimate <= margin * sum(steps) * heads / sms
 
 
