@@ -194,9 +194,10 @@ class KDAKernel:
         grid of up to one 200 KB CTA per SM that would find the queue empty and exit). The
         setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV / SMs
         (steps, F = the fill steps; when `pair` is 1, the left side times the pair step and the pair form's
-        own margin); here the mean is bounded below by total / 16 / N and the sum above by total / 16 + N,
-        so "no" here is "no" there. `pair` is 1 where every chain gets two CTAs at once (the pair form has
-        no chain counter).
+        own margin). With mean = sum / N that needs sum x (margin x HV / SMs - waves x step / N) >= F x step,
+        which only gets truer as the sum grows; the sum is at most (total + 15 N) // 16, so a "no" at that
+        bound (with the smaller total / 16 / N on the left) is a "no" there too. `pair` is 1 where every
+        chain gets two CTAs at once (the pair form has no chain counter).
         """
         if self._fused_margin is None:
             return ()
@@ -217,7 +218,7 @@ class KDAKernel:
         if pair and pair[0]:
             low *= self._pair_step
             margin = self._pair_margin
-        high = margin * (total / CHUNK + nseq) * hv / sms
+        high = margin * ((total + (CHUNK - 1) * nseq) // CHUNK) * hv / sms  # the sum of steps at most
         return (int(nseq > 0 and low <= high), sms, *pair)
 
     @staticmethod

@@ -163,7 +163,7 @@ def test_fused_pair_form_in_the_plan(overrides: dict, warps: int | None):
     [("auto", "auto", 1, 64, 16384, (1, 132, 1)),  # 64 chains in pairs: the setup kernel decides
      ("auto", "auto", 1, 32, 16384, (0, 132, 1)),  # 32 chains: the two-stage path, even in pairs
      ("auto", "auto", 1, 64, 512, (1, 132, 1)),  # 32 steps a chain: within the pair form's margin
-     ("auto", "auto", 1, 64, 128, (0, 132, 1)),  # 8 steps a chain: the two-stage path
+     ("auto", "auto", 1, 64, 256, (0, 132, 1)),  # 16 steps a chain: the two-stage path
      ("auto", "auto", 2, 64, 32768, (1, 132, 0)),  # 128 chains: more than half the SMs, one CTA each
      ("auto", "off", 1, 64, 16384, (0, 132, 0)),  # one CTA a chain: half the SMs idle
      ("on", "auto", 1, 66, 777, (2, 132, 1)),  # a pair on every SM
