@@ -146,15 +146,12 @@ def _common_params(spec: KernelSpec) -> dict[str, Any]:
 def _prepare_warp_smem(spec: KernelSpec) -> int:
     """Shared memory of one prepare warp (templates/mma_sync/prepare.py.j2): its q and k tiles (16-bit,
     padded rows), the fold's kr, one 16-column block of g and beta (the small per-tile matrices reuse the q
-    and k tiles); without the safe gate also the pairwise path's tiles: b in fp32 and copies of the raw q
-    and k, rows of K + 4 elements, and the per-row scale factors."""
+    and k tiles). The anchored path (no safe gate) keeps its products in registers: the same bytes."""
     k = spec.head_dim_k
     g_bytes = 4 if spec.g_dtype == "fp32" else 2
     per_warp = 2 * CHUNK * (k + 8) * 2  # q, k tiles (16-bit, padded rows)
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
     per_warp += CHUNK * 16 * g_bytes + CHUNK * 4  # a block of g, beta
-    if not spec.safe_gate:
-        per_warp += CHUNK * (k + 4) * (4 + 2 * 2) + 2 * CHUNK * 4  # b (fp32), raw q and k (16-bit), scales
     return per_warp
 
 
