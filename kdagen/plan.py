@@ -18,7 +18,7 @@ _DSL_DTYPE = {"bf16": "BFloat16", "fp16": "Float16", "fp32": "Float32"}
 # under the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
 CHUNK = 16
 # Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it): four, or fewer
-# where a warp's shared memory would leave an SM fewer warps (the pairwise path: `_prepare_layout`).
+# without the safe gate where fewer put more warps on an SM (`_prepare_layout`).
 PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
@@ -161,10 +161,12 @@ def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
     The stage is latency-bound (short dependent phases per warp; ncu on an H200 measured ~5 cycles per issued
     instruction at 8 warps per SM), so occupancy is what makes it fast, and shared memory per warp sets the
     ceiling. Four heads a CTA and at most four CTAs (16 warps, 128 registers a thread) is the most the
-    register file allows without spilling the fragment-resident tile. The pairwise path (no safe gate, ~31
-    KB a warp at K=128) takes the heads a CTA, of four, two or one, that put the most warps on an SM: four
-    heads fit one CTA on sm_90a (four warps), one head seven (H100, softplus spec, 8% faster end to end:
-    docs/internals.md, "The pairwise path"); on sm_89 four heads did not fit at all.
+    register file allows without spilling the fragment-resident tile. Without the safe gate the heads a CTA,
+    of four, two or one, that put the most warps on an SM: the pairwise path's ~31 KB a warp needed it (one
+    head a CTA, seven CTAs on sm_90a: docs/internals.md, "Prepare without a gate bound"); the anchored path
+    that replaced it takes the safe gate's bytes a warp, so on sm_90a and sm_100a both gates get four heads
+    and four CTAs, while on sm_80 and sm_89 (compile-only here) the non-safe variants take more, smaller
+    CTAs than the safe ones, a layout never measured there.
     """
     capacity = get_arch(spec.arch).smem_bytes_per_block
     per_warp = _prepare_warp_smem(spec)
@@ -221,8 +223,11 @@ def _fused_smem_bytes(
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
-    """The fused kernel exists for the wgmma family with the safe gate (the anchored path's fp32 tiles
-    would not fit beside the ring) where one CTA fits the target's shared memory (every spec today)."""
+    """The fused kernel exists for the wgmma family with the safe gate, where one CTA fits the target's shared
+    memory (every spec today). Without the safe gate it builds and passes the GPU tests (the anchored tile
+    fits beside the ring), but runs ~1.9x slower than the two-stage path: its four prepare warps a CTA set
+    the pace, and the anchored tile is longer than the safe one (H100, softplus spec, B2 T16384 5.63 against
+    2.96 ms; docs/internals.md, "Anchored blocks on tensor cores")."""
     return (family == "wgmma" and spec.safe_gate
             and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
 
@@ -283,11 +288,10 @@ def make_plan(spec: KernelSpec) -> Plan:
     # the allocation unit of 8.
     min_ctas = ctas + 1 if pdl else ctas
     prepare_regs = min(255, 65536 // (32 * heads * min_ctas)) // 8 * 8
-    # Beside the recurrence, prepare leaves room for one recurrence CTA. Not with fewer heads a CTA (the
-    # pairwise path): its CTAs fill an SM's shared memory and registers, and a recurrence CTA could only
-    # start where most of them were left out, so prepare keeps the SMs and the recurrence follows as they
-    # free up (as it did before, when its one four-warp CTA and a recurrence CTA did not fit one SM's
-    # registers either).
+    # Beside the recurrence, prepare leaves room for one recurrence CTA. Not with fewer heads a CTA (as the
+    # pairwise path had on sm_90a): its CTAs fill an SM's shared memory and registers, and a recurrence CTA
+    # could only start where most of them were left out, so prepare keeps the SMs and the recurrence follows
+    # as they free up.
     beside = _prepare_ctas_beside(family, ctas, prepare_regs) if pdl and heads == PREPARE_HEADS_PER_CTA \
         else ctas
     # Templates of the stages both families share (prepare, intra-card CP): the wgmma family differs in the

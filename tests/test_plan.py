@@ -7,7 +7,7 @@ import pytest
 
 from kdagen import paths
 from kdagen.arch import get_arch
-from kdagen.plan import make_plan
+from kdagen.plan import _prepare_warp_smem, make_plan
 from kdagen.runtime import KDAKernel
 from kdagen.spec import KernelSpec
 
@@ -272,18 +272,25 @@ def test_prepare_beside_the_recurrence_fits_its_busiest_subpartition(family: str
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a"])
 @pytest.mark.parametrize("gate", ["softplus", "precomputed"])
 def test_prepare_without_the_safe_gate_takes_the_most_warps_its_shared_memory_allows(arch: str, gate: str):
-    # The pairwise path's tiles take ~31 KB a warp (K=128): four heads a CTA would leave one CTA, four warps,
-    # an SM; one head a CTA gives the most warps. Its CTAs then keep the SM (no room left for a recurrence
-    # CTA), so the count beside the recurrence equals the count alone.
+    # The anchored path keeps its products in registers: a warp takes the safe gate's shared memory, so on
+    # sm_90a and sm_100a both gates get the same layout (four heads, four CTAs, two beside the wgmma
+    # recurrence). Where four heads a CTA leave an SM fewer warps (sm_80, sm_89), the non-safe variants take
+    # the heads a CTA that give the most; those CTAs then keep the SM (the count beside the recurrence equals
+    # the count alone).
     spec = KernelSpec(arch=arch, gate=gate, safe_gate=False, lower_bound=None)
+    assert _prepare_warp_smem(spec) == _prepare_warp_smem(KernelSpec(arch=arch))
     prep = next(s for s in make_plan(spec).stages if s.name == "prepare").params
     safe = next(s for s in make_plan(KernelSpec(arch=arch)).stages if s.name == "prepare").params
     assert safe["heads_per_cta"] == 4
     assert safe["ctas_per_sm"] == {"sm_80": 2, "sm_89": 1, "sm_90a": 4, "sm_100a": 4}[arch]  # as before
-    per_sm = prep["heads_per_cta"] * prep["ctas_per_sm"]
-    assert per_sm == {"sm_80": 5, "sm_89": 3, "sm_90a": 7, "sm_100a": 7}[arch]
-    assert per_sm * 31 * 1024 <= get_arch(arch).smem_bytes_per_block  # it fits (four heads did not on sm_89)
-    assert prep["overlap_ctas_per_sm"] == prep["ctas_per_sm"]
+    layout = (prep["heads_per_cta"], prep["ctas_per_sm"])
+    assert layout == {"sm_80": (1, 11), "sm_89": (2, 3), "sm_90a": (4, 4), "sm_100a": (4, 4)}[arch]
+    per_warp = _prepare_warp_smem(spec)
+    assert layout[1] * (layout[0] * per_warp + 1024) <= get_arch(arch).smem_bytes_per_block  # it fits
+    if layout[0] == 4:
+        assert prep["overlap_ctas_per_sm"] == safe["overlap_ctas_per_sm"]
+    else:
+        assert prep["overlap_ctas_per_sm"] == prep["ctas_per_sm"]
 
 
 @pytest.mark.parametrize(("arch", "stages"), [("sm_80", 2), ("sm_89", 1), ("sm_90a", 3), ("sm_100a", 3)])
