@@ -8,19 +8,19 @@ bound, safe-gate promise and l2norm flag set the problem, and FLA is called with
 fixed B in {1,2} x T in {512 ... 16384}; 18 varlen configs (10/20 sequences x 4096/8192/16384 tokens x
 uniform/random/skewed); ``--long``: one sequence of 65536 tokens, H=4.
 
-Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate,
-l2norm, every launch, allocations), after one untimed call and ``--warmup`` more, taken in ``--rounds``
-rounds in which FLA and kdagen take turns; a config's time is the median of its rounds (a slow spell of the
-host then lands on both sides, not on whichever ran during it). Before the first config,
-both run for ``--warmup-s`` seconds on its inputs, so that the process and the GPU are in their steady state
-(in one H200 run without it, the first rows took ~1.6x as long as the same calls in a later process on that
-machine). Reported: ms for each,
-speedup = FLA / kdagen, the geometric mean, kdagen's accuracy against FLA (relative RMSE of o and the final
-state), and per config the physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial
-chain x ``--step-us``; "of floor" is the binding (largest) floor over the measured time. The serial chain is
-max_len / chunk steps, except where kdagen cuts sequences into segments (intra-card CP, the ``--long``
-config): then a segment's steps twice (its map, then its pass) plus one merge step per segment, bound
-"serial-cp".
+Time is the median over ``--iters`` calls of CUDA events recorded around the whole Python call (gate, l2norm,
+every launch, allocations), after one untimed call and ``--warmup`` more, taken in ``--rounds`` rounds in
+which FLA and kdagen take turns; a config's time is the median of its rounds (a slow spell of the host then
+lands on both sides, not on whichever ran during it). Before the first config, both run for ``--warmup-s``
+seconds on its inputs, so that the process and the GPU are in their steady state (in one H200 run without it,
+the first rows took ~1.6x as long as the same calls in a later process on that machine). Reported: ms for
+each, speedup = FLA / kdagen, the geometric mean, kdagen's device time alone (the call captured in a CUDA
+graph and replayed: no host time; kdagen only, since FLA's varlen path derives its chunk indices on the host
+with .tolist()), kdagen's accuracy against FLA (relative RMSE of o and the final state), and per config the
+physical floors: HBM bytes / bandwidth, FLOPs / peak bf16 dense, and the serial chain x ``--step-us``; "of
+floor" is the binding (largest) floor over the measured time. The serial chain is max_len / chunk steps,
+except where kdagen cuts sequences into segments (intra-card CP, the ``--long`` config): then a segment's
+steps twice (its map, then its pass) plus one merge step per segment, bound "serial-cp".
 
 Run from the repository root on a GPU machine:
 
@@ -264,6 +264,30 @@ def time_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def graph_ms(fn: Callable[[], Any], replays: int = 100) -> float:
+    """Device time of one call: the call captured in a CUDA graph, replayed back to back (no host work between
+    launches), mean per replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # allocations of the first call happen outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / replays
+
+
 def load_fla() -> tuple[Callable[..., Any] | None, str]:
     try:
         import fla  # type: ignore[import-not-found]
@@ -433,6 +457,12 @@ def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[
     except Exception as e:  # a failure on a later call: report it in the row, keep the run going
         torch.cuda.synchronize()
         row["kdagen_error"] = row.get("kdagen_error") or _short_error(e)
+    if "kdagen" in timed and not row.get("kdagen_error"):
+        try:
+            row["kdagen_graph_ms"] = graph_ms(timed["kdagen"])
+        except Exception as e:
+            torch.cuda.synchronize()
+            row["kdagen_graph_error"] = _short_error(e)
     if row.get("fla_ms") and row.get("kdagen_ms"):
         row["speedup"] = row["fla_ms"] / row["kdagen_ms"]
     for who in ("kdagen", "fla"):
@@ -462,8 +492,8 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-COLUMNS = ("config", "seqs", "tokens", "FLA ms", "kdagen ms", "speedup", "o rmse", "ht rmse", "HBM ms",
-           "FLOP ms", "serial ms", "bound", "kdagen/floor", "FLA/floor")
+COLUMNS = ("config", "seqs", "tokens", "FLA ms", "kdagen ms", "speedup", "kdagen device ms", "o rmse",
+           "ht rmse", "HBM ms", "FLOP ms", "serial ms", "bound", "kdagen/floor", "FLA/floor")
 
 
 def table_cells(row: dict[str, Any]) -> list[str]:
@@ -472,6 +502,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     return [
         row["config"], str(row["num_seqs"]), str(row["total_tokens"]), fla, kd,
         _fmt(row.get("speedup"), ".2f") + ("x" if row.get("speedup") else ""),
+        _fmt(row.get("kdagen_graph_ms")),
         _fmt(row.get("o_rel_rmse"), ".1e"), _fmt(row.get("ht_rel_rmse"), ".1e"),
         _fmt(row["hbm_floor_ms"]), _fmt(row["flop_floor_ms"]), _fmt(row["serial_floor_ms"]),
         row["binding_floor"], _fmt(row.get("kdagen_of_floor"), ".0%"), _fmt(row.get("fla_of_floor"), ".0%"),

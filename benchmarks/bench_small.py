@@ -15,35 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fwd  # noqa: E402
 import torch  # noqa: E402
-
-
-def graph_ms(fn: Callable[[], Any], replays: int = 200) -> float:
-    """Mean time of one call captured in a CUDA graph and replayed back to back."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # allocations of the first call happen outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(20):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [bench_fwd.time_ms(fn, 10, args.iters) for _ in range(args.rounds)]
         print(f"{name}: per-call medians (ms) " + " ".join(f"{x:.3f}" for x in rounds)
               + f"; their median {statistics.median(rounds):.3f}")
-    print(f"kdagen: device time by CUDA-graph replay {graph_ms(calls['kdagen']):.4f} ms")
+    print(f"kdagen: device time by CUDA-graph replay {bench_fwd.graph_ms(calls['kdagen'], 200):.4f} ms")
     return 0
 
 
