@@ -391,16 +391,24 @@ def _first_call(fn: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def time_rounds(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int,
-                iters: int) -> dict[str, list[float]]:
-    """Per-round medians (ms) of each callable, the callables taking turns round by round.
+                iters: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Per-round medians (ms) of each callable, the callables taking turns round by round, and the error of
+    each one that raised (it is left out of the later rounds; its times so far are dropped).
 
     Alternating keeps a slow spell of the host or the GPU (clocks, a background process) from landing on one
     side only; the reported time is the median of the rounds."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    errors: dict[str, str] = {}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(time_ms(fn, warmup, iters))
-    return times
+            if name in errors:
+                continue
+            try:
+                times[name].append(time_ms(fn, warmup, iters))
+            except Exception as e:  # a failure on a later call: reported in the row, the run goes on
+                torch.cuda.synchronize()
+                errors[name] = _short_error(e)
+    return {name: t for name, t in times.items() if name not in errors}, errors
 
 
 def warm_up(cfg: Config, seconds: float, fla: Callable[..., Any] | None, target: KdagenTarget) -> None:
@@ -450,13 +458,12 @@ def run_config(cfg: Config, args: argparse.Namespace, card: Card, fla: Callable[
             timed["kdagen"] = kd_fn
     else:
         row["kdagen_error"] = target.error
-    try:
-        for who, rounds in time_rounds(timed, args.rounds, args.warmup, args.iters).items():
-            row[f"{who}_rounds_ms"] = rounds
-            row[f"{who}_ms"] = statistics.median(rounds)
-    except Exception as e:  # a failure on a later call: report it in the row, keep the run going
-        torch.cuda.synchronize()
-        row["kdagen_error"] = row.get("kdagen_error") or _short_error(e)
+    times, errors = time_rounds(timed, args.rounds, args.warmup, args.iters)
+    for who, rounds in times.items():
+        row[f"{who}_rounds_ms"] = rounds
+        row[f"{who}_ms"] = statistics.median(rounds)
+    for who, error in errors.items():
+        row[f"{who}_error"] = error
     if "kdagen" in timed and not row.get("kdagen_error"):
         try:
             row["kdagen_graph_ms"] = graph_ms(timed["kdagen"])

@@ -87,3 +87,29 @@ def test_floors_follow_head_dims_and_gva():
     assert small.bytes < base.bytes / 2 and small.flops < base.flops / 2
     long_cfg = bench_fwd.build_configs(False, "fixed", True, gva_ratio=8)[-1]
     assert long_cfg.kind == "long" and long_cfg.heads == 8
+
+
+def test_rounds_alternate_and_a_failing_side_is_reported_alone(monkeypatch: pytest.MonkeyPatch):
+    # time_ms is replaced (it needs CUDA events): the callables themselves log their turns. FLA fails in the
+    # second round; its error is its own, its times are dropped, and kdagen keeps all three rounds.
+    order: list[str] = []
+
+    def fake_time_ms(fn, warmup, iters):
+        return fn()
+
+    def kd():
+        order.append("kdagen")
+        return 1.0
+
+    def fla():
+        order.append("fla")
+        if order.count("fla") == 2:
+            raise RuntimeError("boom")
+        return 2.0
+
+    monkeypatch.setattr(bench_fwd, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench_fwd.torch.cuda, "synchronize", lambda: None)
+    times, errors = bench_fwd.time_rounds({"fla": fla, "kdagen": kd}, 3, 0, 1)
+    assert order == ["fla", "kdagen", "fla", "kdagen", "kdagen"]
+    assert times == {"kdagen": [1.0, 1.0, 1.0]}
+    assert errors == {"fla": "RuntimeError: boom"}
