@@ -56,6 +56,12 @@ def toolchain_fingerprint() -> dict[str, str | None]:
     """
     found: dict[str, str] = {}
     for dist in md.distributions():
+        # Parsing every installed distribution's METADATA was most of a first `get_kernel`'s time once the
+        # templates were compiled; the dist-info directory's name (what importlib itself matches names by)
+        # rules out the others first. Where it is unknown, the metadata decides.
+        stem = getattr(dist, "_normalized_name", None)
+        if isinstance(stem, str) and not _normalize(stem).startswith((_DSL, "apache-tvm-ffi")):
+            continue
         name = _normalize(dist.metadata.get("Name") or "")
         # First one wins, as for imports: sys.path order.
         if (name.startswith(_DSL) or name == "apache-tvm-ffi") and name not in found:

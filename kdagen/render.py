@@ -15,11 +15,13 @@ Templates are found through `kdagen.paths.templates_dir()` (the checkout's ``tem
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import textwrap
 from collections.abc import Callable, Iterable
@@ -85,6 +87,52 @@ class _TrackingLoader(jinja2.FileSystemLoader):
         return source, filename, uptodate
 
 
+class _CompiledTemplates(jinja2.BytecodeCache):
+    """Compiled templates, kept in memory for the process and on disk under the cache directory.
+
+    Rendering compiles every template it touches (``cache_size=0``, see `_TrackingLoader`), and compiling was
+    most of the time a first `get_kernel` took in a process (the cache key needs the rendered sources). The
+    loader still serves the source on every render, so dependency tracking is unchanged, and Jinja checks a
+    compiled template against the sha1 of that source before using it, so a stale entry is never run. The disk
+    copy is an optimisation only: a directory that cannot be written (a read-only cache) is skipped.
+    """
+
+    def __init__(self) -> None:
+        self._memory: dict[str, tuple[str, Any]] = {}  # bucket key -> (source checksum, code object)
+
+    @staticmethod
+    def _disk() -> jinja2.FileSystemBytecodeCache | None:
+        # Jinja and Python versions in the name: marshal data and Jinja's generated code are theirs.
+        version = f"jinja{jinja2.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+        directory = paths.cache_dir() / "templates" / version
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        return jinja2.FileSystemBytecodeCache(str(directory))
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        hit = self._memory.get(bucket.key)
+        if hit is not None and hit[0] == bucket.checksum:
+            bucket.code = hit[1]
+            return
+        disk = self._disk()
+        if disk is not None:
+            disk.load_bytecode(bucket)  # resets the bucket on a checksum or version mismatch
+            if bucket.code is not None:
+                self._memory[bucket.key] = (bucket.checksum, bucket.code)
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        self._memory[bucket.key] = (bucket.checksum, bucket.code)
+        disk = self._disk()
+        if disk is not None:
+            with contextlib.suppress(OSError):
+                disk.dump_bytecode(bucket)
+
+
+_COMPILED = _CompiledTemplates()
+
+
 def _pyrepr(value: Any) -> str:
     return repr(value)
 
@@ -100,6 +148,7 @@ def make_environment(templates: str | os.PathLike[str] | None = None) -> jinja2.
         lstrip_blocks=True,
         autoescape=False,  # Python source, not HTML
         cache_size=0,
+        bytecode_cache=_COMPILED,
     )
     env.filters["pyrepr"] = _pyrepr
     return env
@@ -142,7 +191,8 @@ def _header(spec: KernelSpec, plan: PlanLike, stage: StagePlanLike, deps: dict[s
 def render_variant(
     spec: KernelSpec, plan: PlanLike, *, templates: str | os.PathLike[str] | None = None
 ) -> dict[str, str]:
-    """{``<stage>.py``: text} for every stage of `plan`, in stage order. Pure: writes nothing."""
+    """{``<stage>.py``: text} for every stage of `plan`, in stage order. Writes no sources; the templates it
+    compiles are kept under the cache directory (`_CompiledTemplates`)."""
     names = [s.name for s in plan.stages]
     if len(set(names)) != len(names):
         raise ValueError(f"plan for {spec.slug()}: duplicate stage names {names}")

@@ -118,6 +118,51 @@ def test_include_tracking_survives_repeated_renders(fixture_templates: Path):
         assert "# includes: common/helpers.py.j2" in text
 
 
+def test_compiled_templates_are_kept_on_disk_and_used(
+    isolated_env: dict[str, Path], fixture_templates: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(render._COMPILED, "_memory", {})  # as in a fresh process
+    first = render.render_variant(SPEC, fake_plan(SPEC), templates=fixture_templates)
+    stored = list((isolated_env["cache"] / "templates").glob("*/*.cache"))
+    assert len(stored) == 2  # the stage template and the helper it imports
+    # Another fresh process: the disk copy serves, and nothing is compiled again.
+    monkeypatch.setattr(render._COMPILED, "_memory", {})
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a template was compiled although its compiled form was on disk")
+
+    monkeypatch.setattr(jinja2.Environment, "compile", no_compile)
+    assert render.render_variant(SPEC, fake_plan(SPEC), templates=fixture_templates) == first
+
+
+def test_edited_template_is_compiled_again(
+    isolated_env: dict[str, Path], fixture_templates: Path, tmp_path: Path
+):
+    import shutil
+
+    templates = tmp_path / "templates"
+    shutil.copytree(fixture_templates, templates)
+    before = render.render_variant(SPEC, fake_plan(SPEC), templates=templates)["alpha.py"]
+    helper = templates / "common" / "helpers.py.j2"
+    helper.write_text(helper.read_text() + "{# edited #}\n")
+    stage = templates / "fake" / "stage.py.j2"
+    stage.write_text(stage.read_text() + "EDITED = 1\n")
+    after = render.render_variant(SPEC, fake_plan(SPEC), templates=templates)["alpha.py"]
+    assert "EDITED = 1" in after and "EDITED" not in before
+    assert f"# includes: common/helpers.py.j2  sha256 {_sha(helper.read_bytes())}" in after
+
+
+def test_unwritable_cache_dir_still_renders(
+    fixture_templates: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("KDAGEN_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(render._COMPILED, "_memory", {})
+    files = render.render_variant(SPEC, fake_plan(SPEC), templates=fixture_templates)
+    assert list(files) == ["alpha.py", "beta.py"]
+
+
 def test_strict_undefined(fixture_templates: Path):
     plan = FakePlan("fake", "r", (FakeStage("broken", "fake/broken.py.j2", {"a": 1}),))
     with pytest.raises(

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""How long a process takes to get kernels from the cache: the first variant, and each one after it.
+
+Each of ``--processes`` fresh interpreters imports torch (timed apart: an engine has it already), then calls
+``kdagen.get_kernel`` for every variant of SPECFILE in file order with ``KDAGEN_DISABLE_JIT=1`` (a miss is an
+error, never a compile). With a GPU it then makes one small call of the first variant, which also loads its
+GPU code into the context (CUDA loads modules lazily). Build the variants first: ``kdagen build SPECFILE``.
+
+    PYTHONPATH=. python benchmarks/bench_load.py [SPECFILE] [--processes 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    t0 = time.perf_counter()
+    import torch
+    out = {"import_torch": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    import kdagen
+    from kdagen.spec import load_spec_file
+    out["import_kdagen"] = time.perf_counter() - t0
+    names = list(load_spec_file(sys.argv[1]))
+    loads = []
+    for name in names:
+        t0 = time.perf_counter()
+        kernel = kdagen.get_kernel(f"{sys.argv[1]}:{name}")
+        loads.append(time.perf_counter() - t0)
+        if len(loads) == 1:
+            first = kernel
+    out["loads"] = loads
+    out["names"] = names
+    if torch.cuda.is_available():
+        spec, dev = first.spec, torch.device("cuda")
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+        gd = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        h, hv = 2, 2 * spec.gva_ratio
+        q = torch.randn(1, 64, h, spec.head_dim_k, device=dev, dtype=dt)
+        v = torch.randn(1, 64, hv, spec.head_dim_v, device=dev, dtype=dt)
+        g = -torch.rand(1, 64, hv, spec.head_dim_k, device=dev, dtype=gd[spec.g_dtype])
+        beta = torch.rand(1, 64, hv, device=dev, dtype=gd[spec.beta_dtype])
+        extra = {} if spec.gate == "precomputed" else {"A_log": torch.zeros(hv, device=dev)}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first(q, q.clone(), v, g, beta, **extra)
+        torch.cuda.synchronize()
+        out["first_call"] = time.perf_counter() - t0
+    print("LOAD " + json.dumps(out))
+    """
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("specfile", nargs="?", default="specs/sm90.yaml")
+    p.add_argument("--processes", type=int, default=5)
+    args = p.parse_args(argv)
+    env = {**os.environ, "KDAGEN_DISABLE_JIT": "1"}
+    runs = []
+    for _ in range(args.processes):
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(Path(args.specfile))],
+                             capture_output=True, text=True, env=env)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("LOAD ")]
+        if out.returncode != 0 or not lines:
+            print(f"bench_load: the child process failed:\n{out.stdout}\n{out.stderr}")
+            return 1
+        runs.append(json.loads(lines[-1].removeprefix("LOAD ")))
+
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * statistics.median(values):.1f} ms"
+
+    names = runs[0]["names"]
+    print(f"{args.specfile}: {len(names)} variants, {len(runs)} fresh processes (medians over them)")
+    print("  import torch".ljust(44) + ms([r["import_torch"] for r in runs]))
+    print("  import kdagen".ljust(44) + ms([r["import_kdagen"] for r in runs]))
+    firsts = [r["loads"][0] for r in runs]
+    # The first process on a machine may compile the templates the key is rendered from (kept on disk after
+    # it, per Python version), so each process's first load is shown.
+    print(f"  first get_kernel ({names[0]})".ljust(44) + ms(firsts)
+          + " (by process: " + ", ".join(f"{1e3 * x:.1f}" for x in firsts) + ")")
+    later = [x for r in runs for x in r["loads"][1:]]
+    if later:
+        print(f"  each later get_kernel ({len(names) - 1} a process)".ljust(44) + ms(later)
+              + f" (max {1e3 * max(later):.1f} ms)")
+    if "first_call" in runs[0]:
+        print(f"  first call of {names[0]} (loads its GPU code)".ljust(44)
+              + ms([r["first_call"] for r in runs]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
