@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """How long a process takes to get kernels from the cache: the first variant, and each one after it.
 
-Each of ``--processes`` fresh interpreters imports torch (timed apart: an engine has it already), then calls
-``kdagen.get_kernel`` for every variant of SPECFILE in file order with ``KDAGEN_DISABLE_JIT=1`` (a miss is an
-error, never a compile). With a GPU it then makes one small call of the first variant, which also loads its
-GPU code into the context (CUDA loads modules lazily). Build the variants first: ``kdagen build SPECFILE``.
+Each of ``--processes`` fresh interpreters imports torch and initialises CUDA (timed apart: an engine has
+done both already), then calls ``kdagen.get_kernel`` for every variant of SPECFILE in file order with
+``KDAGEN_DISABLE_JIT=1`` (a miss is an error, never a compile). With a GPU it then makes one small call of
+the first variant, which also loads its GPU code into the context (CUDA loads modules lazily). Build the
+variants first: ``kdagen build SPECFILE``. Imports are part of the first load, so a Python that cannot keep
+bytecode (a read-only site, or ``PYTHONDONTWRITEBYTECODE``) compiles every module again in every process:
+point ``PYTHONPYCACHEPREFIX`` at a writable directory there, and unset ``PYTHONDONTWRITEBYTECODE``.
 
     PYTHONPATH=. python benchmarks/bench_load.py [SPECFILE] [--processes 5]
 """
@@ -25,6 +28,8 @@ _CHILD = textwrap.dedent(
     import json, sys, time
     t0 = time.perf_counter()
     import torch
+    if torch.cuda.is_available():
+        torch.cuda.init()  # an engine has its GPU up before it asks for kernels
     out = {"import_torch": time.perf_counter() - t0}
     t0 = time.perf_counter()
     import kdagen
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     names = runs[0]["names"]
     print(f"{args.specfile}: {len(names)} variants, {len(runs)} fresh processes (medians over them)")
-    print("  import torch".ljust(44) + ms([r["import_torch"] for r in runs]))
+    print("  import torch (and CUDA init with a GPU)".ljust(44) + ms([r["import_torch"] for r in runs]))
     print("  import kdagen".ljust(44) + ms([r["import_kdagen"] for r in runs]))
     firsts = [r["loads"][0] for r in runs]
     # The first process on a machine may compile the templates the key is rendered from (kept on disk after
