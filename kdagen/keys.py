@@ -41,6 +41,11 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _relevant(name: str) -> bool:
+    """Whether a (normalised) distribution name belongs in the toolchain fingerprint."""
+    return name.startswith(_DSL) or name == "apache-tvm-ffi"
+
+
 @lru_cache(maxsize=1)
 def toolchain_fingerprint() -> dict[str, str | None]:
     """The compiler stack that shapes an artifact, read from package metadata (cutlass is not imported).
@@ -60,11 +65,11 @@ def toolchain_fingerprint() -> dict[str, str | None]:
         # templates were compiled; the dist-info directory's name (what importlib itself matches names by)
         # rules out the others first. Where it is unknown, the metadata decides.
         stem = getattr(dist, "_normalized_name", None)
-        if isinstance(stem, str) and not _normalize(stem).startswith((_DSL, "apache-tvm-ffi")):
+        if isinstance(stem, str) and not _relevant(_normalize(stem)):
             continue
         name = _normalize(dist.metadata.get("Name") or "")
         # First one wins, as for imports: sys.path order.
-        if (name.startswith(_DSL) or name == "apache-tvm-ffi") and name not in found:
+        if _relevant(name) and name not in found:
             found[name] = dist.version
     flavours = sorted((int(m.group(1)), n) for n in found if (m := _FLAVOUR_RE.match(n)))
     selected = flavours[-1][1] if flavours else None

@@ -464,6 +464,37 @@ def test_toolchain_fingerprint_selects_flavour(monkeypatch: pytest.MonkeyPatch):
     }
 
 
+class _NamedDist:
+    """A distribution with a dist-info directory name; its METADATA must only be read when that name is
+    relevant."""
+
+    def __init__(self, stem: str, name: str, version: str) -> None:
+        self._normalized_name = stem
+        self._name = name
+        self.version = version
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        if self._normalized_name == "torch":
+            raise AssertionError("read the METADATA of a distribution its directory name rules out")
+        return {"Name": self._name}
+
+
+def test_toolchain_fingerprint_skips_by_directory_name(monkeypatch: pytest.MonkeyPatch):
+    dists = [
+        _NamedDist("torch", "torch", "2.13.0"),
+        _NamedDist("nvidia_cutlass_dsl", "nvidia-cutlass-dsl", "4.8.1"),
+        _NamedDist("apache_tvm_ffi", "apache-tvm-ffi", "0.1.15.post2"),
+    ]
+    monkeypatch.setattr(keys.md, "distributions", lambda: iter(dists))
+    keys.toolchain_fingerprint.cache_clear()
+    try:
+        fp = keys.toolchain_fingerprint()
+    finally:
+        keys.toolchain_fingerprint.cache_clear()
+    assert fp == {"apache-tvm-ffi": "0.1.15.post2", "cuda_flavour": None, "nvidia-cutlass-dsl": "4.8.1"}
+
+
 def test_toolchain_fingerprint_installed():
     fp = keys.toolchain_fingerprint()
     assert fp["nvidia-cutlass-dsl"] == "4.8.1"
