@@ -36,24 +36,22 @@ _CHILD = textwrap.dedent(
     from kdagen.spec import load_spec_file
     out["import_kdagen"] = time.perf_counter() - t0
     names = list(load_spec_file(sys.argv[1]))
-    loads = []
+    loads, kernels = [], []
     for name in names:
         t0 = time.perf_counter()
-        kernel = kdagen.get_kernel(f"{sys.argv[1]}:{name}")
+        kernels.append(kdagen.get_kernel(f"{sys.argv[1]}:{name}"))
         loads.append(time.perf_counter() - t0)
-        if len(loads) == 1:
-            first = kernel
     out["loads"] = loads
     out["names"] = names
     if torch.cuda.is_available():
+        first = kernels[0]
         spec, dev = first.spec, torch.device("cuda")
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
-        gd = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         h, hv = 2, 2 * spec.gva_ratio
-        q = torch.randn(1, 64, h, spec.head_dim_k, device=dev, dtype=dt)
-        v = torch.randn(1, 64, hv, spec.head_dim_v, device=dev, dtype=dt)
-        g = -torch.rand(1, 64, hv, spec.head_dim_k, device=dev, dtype=gd[spec.g_dtype])
-        beta = torch.rand(1, 64, hv, device=dev, dtype=gd[spec.beta_dtype])
+        q = torch.randn(1, 64, h, spec.head_dim_k, device=dev, dtype=dt[spec.dtype])
+        v = torch.randn(1, 64, hv, spec.head_dim_v, device=dev, dtype=dt[spec.dtype])
+        g = -torch.rand(1, 64, hv, spec.head_dim_k, device=dev, dtype=dt[spec.g_dtype])
+        beta = torch.rand(1, 64, hv, device=dev, dtype=dt[spec.beta_dtype])
         extra = {} if spec.gate == "precomputed" else {"A_log": torch.zeros(hv, device=dev)}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
