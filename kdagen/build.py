@@ -1,6 +1,10 @@
 """One build-and-load lifecycle.
 
 spec -> plan -> rendered sources -> key -> cache (compile on a miss) -> loaded kernel.
+
+A build that found or made its entry remembers its sources' digests (`kdagen.source_memo`); the next process
+asking for the same spec with the same templates and generator computes the key from them and loads without
+importing Jinja or rendering. Anything short of a complete entry under that key renders as before.
 """
 
 from __future__ import annotations
@@ -11,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdagen import paths
+from kdagen import paths, source_memo
 from kdagen.cache import ArtifactCache
 from kdagen.errors import BuildError, CacheMissError
-from kdagen.keys import cache_key, toolchain_fingerprint
+from kdagen.keys import cache_key, key_from_digests, source_digests, toolchain_fingerprint
 from kdagen.plan import Plan, make_plan
-from kdagen.render import render_variant
 from kdagen.spec import KernelSpec, resolve_spec, validate_capabilities
 
 
@@ -40,13 +43,37 @@ def _options(spec: KernelSpec) -> str:
     return compile_options(spec.arch)
 
 
+def _render(spec: KernelSpec, plan: Plan) -> dict[str, str]:
+    # Imported here: Jinja is not needed (nor imported) when a remembered key finds a built entry.
+    from kdagen.render import render_variant
+
+    return render_variant(spec, plan)
+
+
 def describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any]]:
     """(plan, rendered sources, key, key parts) without compiling anything."""
+    plan, rendered, key, parts, _ = _describe(spec)
+    return plan, rendered, key, parts
+
+
+def _describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any], str | None]:
+    """`describe`, plus the generator digest the sources came from (None if a file changed meanwhile)."""
     validate_capabilities(spec)
     plan = make_plan(spec)
-    rendered = render_variant(spec, plan)
+    generator = source_memo.generator_digest()
+    rendered = _render(spec, plan)
     key, parts = cache_key(spec, rendered, _options(spec))
-    return plan, rendered, key, parts
+    return plan, rendered, key, parts, generator if source_memo.generator_digest() == generator else None
+
+
+def _remembered_key(spec: KernelSpec) -> tuple[Plan, str] | None:
+    """(plan, key) from the remembered source digests (`kdagen.source_memo`), or None."""
+    validate_capabilities(spec)
+    plan = make_plan(spec)
+    digests = source_memo.load_digests(spec.canonical_json(), source_memo.generator_digest())
+    if digests is None or set(digests) != {f"{s.name}.py" for s in plan.stages}:
+        return None
+    return plan, key_from_digests(spec, digests, _options(spec))[0]
 
 
 def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: Path) -> tuple[dict, float]:
@@ -88,9 +115,21 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
     ref = str(spec) if isinstance(spec, (str, Path)) else None  # "file.yaml:name", for messages
     vname, spec = resolve_spec(spec)
     name = name or vname
-    plan, rendered, key, parts = describe(spec)
     cache = ArtifactCache()
+    remembered = None if force else _remembered_key(spec)
+    if remembered is not None:
+        plan, key = remembered
+        found = lookup_built(cache, spec, key, plan.stage_names)
+        if found is not None:
+            return _cached(name, spec, key, plan, found)
+    # No remembered key, or nothing built under it: render, which a compile needs anyway.
+    plan, rendered, key, parts, generator = _describe(spec)
     stages = plan.stage_names
+
+    def remember() -> None:  # only once the entry exists: a refused build writes nothing
+        if generator is not None:
+            source_memo.store_digests(spec.canonical_json(), generator, source_digests(rendered))
+
     found = None if force else lookup_built(cache, spec, key, stages)
     if found is None:
         if paths.jit_disabled():
@@ -113,12 +152,18 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
                     "plan": {"family": plan.family, "reason": plan.reason},
                 }
                 published = cache.publish(spec, key, objects, meta)
+                remember()
                 size = sum(len(b) for b in objects.values())
                 objs = {s: published[s] for s in stages}
                 return BuildResult(name, spec, spec.slug(), key, stages, seconds, size, False, objs, plan)
+    remember()
+    return _cached(name, spec, key, plan, found)
+
+
+def _cached(name: str | None, spec: KernelSpec, key: str, plan: Plan, found: dict[str, Path]) -> BuildResult:
     size = sum(p.stat().st_size for p in found.values())
-    objs = {s: found[s] for s in stages}
-    return BuildResult(name, spec, spec.slug(), key, stages, 0.0, size, True, objs, plan)
+    objs = {s: found[s] for s in plan.stage_names}
+    return BuildResult(name, spec, spec.slug(), key, plan.stage_names, 0.0, size, True, objs, plan)
 
 
 def lookup_built(

@@ -24,11 +24,12 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-from filelock import FileLock
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kdagen import paths
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 __all__ = ["ArtifactCache", "CacheEntry", "META_NAME", "ARTIFACT_SUFFIX"]
 
@@ -158,6 +159,8 @@ class ArtifactCache:
 
         `timeout` < 0 waits forever: a compile holding it can take minutes.
         """
+        from filelock import FileLock  # here: a process that only loads cached kernels never locks
+
         entry = self.entry_dir(spec, key)
         entry.mkdir(parents=True, exist_ok=True)
         return FileLock(str(entry / LOCK_NAME), timeout=timeout)

@@ -22,7 +22,14 @@ from typing import Any
 
 from kdagen.spec import KernelSpec
 
-__all__ = ["KEY_HEX", "toolchain_fingerprint", "cache_key", "sha256_text"]
+__all__ = [
+    "KEY_HEX",
+    "toolchain_fingerprint",
+    "cache_key",
+    "key_from_digests",
+    "source_digests",
+    "sha256_text",
+]
 
 KEY_HEX = 24
 _DSL = "nvidia-cutlass-dsl"
@@ -81,6 +88,11 @@ def toolchain_fingerprint() -> dict[str, str | None]:
     return dict(sorted(out.items()))
 
 
+def source_digests(rendered: dict[str, str]) -> dict[str, str]:
+    """{file name: sha256 of its text}, sorted by name: the ``sources`` part of a key."""
+    return {name: sha256_text(text) for name, text in sorted(rendered.items())}
+
+
 def cache_key(
     spec: KernelSpec,
     rendered: dict[str, str],
@@ -94,11 +106,21 @@ def cache_key(
     ``spec``, ``sources``, ``toolchain``, ``compile_options`` to ``{"value": ..., "sha256": ...}``; the key is
     the sha256 of the JSON of ``{part: sha256}``. `toolchain` defaults to `toolchain_fingerprint()`.
     """
+    return key_from_digests(spec, source_digests(rendered), compile_options, toolchain=toolchain)
+
+
+def key_from_digests(
+    spec: KernelSpec,
+    digests: dict[str, str],
+    compile_options: str,
+    *,
+    toolchain: dict[str, Any] | None = None,
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """`cache_key` from the sha256 of each rendered file (`source_digests`) instead of the texts."""
     tc = toolchain_fingerprint() if toolchain is None else toolchain
-    sources = {name: sha256_text(text) for name, text in sorted(rendered.items())}
     values: dict[str, Any] = {
         "spec": spec.canonical_json(),
-        "sources": sources,
+        "sources": dict(sorted(digests.items())),
         "toolchain": dict(sorted(tc.items())),
         "compile_options": compile_options,
     }

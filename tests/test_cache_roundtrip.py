@@ -90,6 +90,7 @@ _CHILD = textwrap.dedent(
         "paths": {{s: str(p) for s, p in res.paths.items()}},
         "hit_seconds": hit_s,
         "cutlass_after_hit": sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"),
+        "jinja2_after_hit": "jinja2" in sys.modules,
         "loads": {{}},
     }}
     from kdagen.compile import load_object
@@ -129,6 +130,8 @@ def test_fresh_process_hits_and_loads(cache):
     assert report["paths"] == {s: str(_entry(root, res.key) / f"{s}.o") for s in res.stages}
     # A cache hit is answered from package metadata and the store: the DSL is not imported.
     assert report["cutlass_after_hit"] == []
+    # The key comes from the source digests the build remembered (kdagen.source_memo): no render, no Jinja.
+    assert report["jinja2_after_hit"] is False
     assert set(report["loads"]) == set(res.stages)
     for stage, info in report["loads"].items():
         assert info["type"] == "tvm_ffi.core.Function", f"{stage}: loaded {info['type']}"

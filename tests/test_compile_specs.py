@@ -150,8 +150,13 @@ def test_variant_second_build_is_a_hit(
     def no_compile(*args, **kwargs):
         raise AssertionError(f"{vid}: a cache hit must not compile (compile_stage_file{args!r})")
 
+    def no_render(*args, **kwargs):
+        raise AssertionError(f"{vid}: a cache hit must take its key from the remembered source digests")
+
     monkeypatch.setattr(kdagen.compile, "compile_stage_file", no_compile)
-    again = kdagen.build.build_variant(spec, name=name)
+    with monkeypatch.context() as m:
+        m.setattr(kdagen.build, "_render", no_render)
+        again = kdagen.build.build_variant(spec, name=name)
     assert again.cached is True
     assert again.compile_seconds == 0.0
     assert again.key == first.key == kdagen.build.describe(spec)[2]
