@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -328,15 +329,24 @@ def key(spec: str, explain: bool) -> None:
 @click.option("--arch", default=None, help="Only this target (e.g. sm_90a).")
 @_errors
 def clean(arch: str | None) -> None:
-    """Delete cached artifacts (all, or one target's)."""
+    """Delete cached artifacts (all, or one target's); without --arch also the remembered source digests
+    and compiled templates kept beside them."""
     from kdagen.cache import ArtifactCache
 
     if arch is not None:
         get_arch(arch)  # refuse a typo instead of silently removing nothing
     cache = ArtifactCache()
     n = cache.clean(arch)
+    derived = ""
+    if arch is None:  # not target-specific, and recomputed on the next build or load
+        shared = (paths.CACHE_SOURCES_SUBDIR, paths.CACHE_TEMPLATES_SUBDIR)
+        gone = [d for d in shared if (cache.root / d).is_dir()]
+        for d in gone:
+            shutil.rmtree(cache.root / d, ignore_errors=True)
+        derived = "".join(f" and {d}/" for d in gone)
     click.echo(
-        f"removed {n} cache entr{'y' if n == 1 else 'ies'} from {cache.root}" + (f"/{arch}" if arch else "")
+        f"removed {n} cache entr{'y' if n == 1 else 'ies'}{derived} from {cache.root}"
+        + (f"/{arch}" if arch else "")
     )
 
 

@@ -59,6 +59,11 @@ ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
 
 _TRUE = {"1", "true", "yes", "on"}
 
+# Beside the artifact entries (<arch>/) in the cache directory: data derived from the sources, which
+# `kdagen clean` removes with the entries.
+CACHE_TEMPLATES_SUBDIR = "templates"  # compiled Jinja templates (render._CompiledTemplates)
+CACHE_SOURCES_SUBDIR = "sources"  # remembered rendered-source digests (source_memo)
+
 
 def package_dir() -> Path:
     """The directory of the `kdagen` package itself."""

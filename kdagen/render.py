@@ -104,7 +104,7 @@ class _CompiledTemplates(jinja2.BytecodeCache):
     def _disk() -> jinja2.FileSystemBytecodeCache | None:
         # Jinja and Python versions in the name: marshal data and Jinja's generated code are theirs.
         version = f"jinja{jinja2.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-        directory = paths.cache_dir() / "templates" / version
+        directory = paths.cache_dir() / paths.CACHE_TEMPLATES_SUBDIR / version
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError:

@@ -30,7 +30,7 @@ from kdagen import __version__, paths
 
 __all__ = ["memo_id", "load_digests", "store_digests", "MEMO_DIR"]
 
-MEMO_DIR = "sources"
+MEMO_DIR = paths.CACHE_SOURCES_SUBDIR
 _FORMAT = 1  # bump when the memo's content changes meaning
 
 

@@ -216,12 +216,19 @@ def test_clean(workdir: Path):
     cache = ArtifactCache()
     for arch in ("sm_90a", "sm_80"):
         cache.publish(KernelSpec(arch=arch), "0" * 24, {"alpha": b"x"})
+    derived = [cache.root / "sources", cache.root / "templates" / "jinja3-py311"]
+    for d in derived:
+        d.mkdir(parents=True)
+        (d / "x.json").write_text("{}")
     r = run("clean", "--arch", "sm_90a")
-    assert r.exit_code == 0 and "removed 1 cache entry" in r.output
+    assert r.exit_code == 0 and "removed 1 cache entry from" in r.output
     assert [e.arch for e in cache.entries()] == ["sm_80"]
+    assert all(d.is_dir() for d in derived)  # one target's clean keeps what every target shares
     r = run("clean", "--arch", "sm_9")
     assert r.exit_code == 1 and "unknown arch 'sm_9'" in r.output
-    assert run("clean").output.startswith("removed 1 cache entry")
+    assert run("clean").output.startswith("removed 1 cache entry and sources/ and templates/ from")
+    assert not (cache.root / "sources").exists() and not (cache.root / "templates").exists()
+    assert run("clean").output.startswith("removed 0 cache entries from")
 
 
 def test_bench_without_script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
