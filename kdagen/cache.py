@@ -20,13 +20,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kdagen import paths
+from kdagen.files import write_atomic
 
 if TYPE_CHECKING:
     from filelock import FileLock
@@ -40,7 +40,6 @@ LOCK_NAME = ".lock"
 _STAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[a-z]+)?$")
 _ENTRY_RE = re.compile(r"^.+-[0-9a-f]{24}$")  # <slug>-<24 hex key>: what clean() may delete
 _ARCH_RE = re.compile(r"^sm_\d+[a-z]?$")
-_FILE_MODE = 0o644
 
 
 class SpecLike(Protocol):
@@ -76,22 +75,6 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # mkstemp makes 0600 files; the store may be shared by users of a build box, so chmod to 0644.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def artifact_file(name: str) -> str:
@@ -188,7 +171,7 @@ class ArtifactCache:
         records: dict[str, dict[str, Any]] = {}
         for stage, data in artifacts.items():
             path = entry / artifact_file(stage)
-            _atomic_write(path, data)
+            write_atomic(path, data, durable=True)
             out[stage] = path
             records[stage] = {
                 "file": path.name,
@@ -204,7 +187,8 @@ class ArtifactCache:
             "stages": list(artifacts),
             "artifacts": records,
         }
-        _atomic_write(entry / META_NAME, (json.dumps(full, indent=2, sort_keys=True) + "\n").encode())
+        meta_text = json.dumps(full, indent=2, sort_keys=True) + "\n"
+        write_atomic(entry / META_NAME, meta_text.encode(), durable=True)  # last: the commit marker
         return out
 
     # -- housekeeping -------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 import jinja2
 
 from kdagen import __version__, paths
+from kdagen.files import write_atomic
 from kdagen.spec import KernelSpec, load_spec_file
 
 __all__ = [
@@ -227,15 +227,7 @@ def _write_if_changed(path: Path, text: str) -> None:
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text.encode())
 
 
 def write_variant(

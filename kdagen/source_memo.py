@@ -19,14 +19,13 @@ import functools
 import hashlib
 import importlib.metadata as md
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pydantic
 
 from kdagen import __version__, paths
+from kdagen.files import write_atomic
 
 __all__ = ["memo_id", "load_digests", "store_digests", "MEMO_DIR"]
 
@@ -105,12 +104,4 @@ def store_digests(spec_json: str, generator: str, digests: dict[str, str], root:
     text = json.dumps({"spec": spec_json, "generator": generator, "sources": digests}, sort_keys=True)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, text.encode())
