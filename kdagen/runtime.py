@@ -7,8 +7,9 @@ Contract (what is validated, what is the caller's duty):
 - cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,
   non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the
   caller's duty, because reading them would synchronise with the GPU (`validate_cu_seqlens` does that
-  check on request). Invalid device-resident values give undefined results, and since the recurrence waits
-  on per-tile flags that prepare raises, a call with values past the tokens of q may not return.
+  check on request). The kernels clamp every offset they read into [0, T], so a call with device-resident
+  values past the tokens of q or below zero still ends (no fault, no wait on a tile that no prepare CTA
+  makes) and computes the clamped offsets; decreasing values give unspecified results.
   Tokens past cu_seqlens[-1] get o = 0.
 - initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
 - No host-device synchronisation, so a call can be captured in a CUDA graph.
@@ -431,6 +432,9 @@ class KDAKernel:
             gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))
             ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare, unread here
             v2, o2 = v.view(total, hv, vdim), o.view(total, hv, vdim)
+            # The offsets clamped into [0, T] (the setup kernel's job on the other path): prepare and the
+            # segment map search them without clamps of their own.
+            cu = torch.clamp(cu, 0, total, out=_carve(buf, ws.cu, torch.int32, (nseq + 1,)))
             prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
             if gate_args:
                 gate_args = (gate_args[0], gate_args[1].view(hv, kdim))

@@ -26,8 +26,10 @@ class Workspace(NamedTuple):
 
     kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
     order: [N + 2] int32 (the ranking, at [N] the path the setup kernel chose, at [N + 1] the fused kernel's
-    chain counter); S = T // 16 + N + 1 tile
-    slots (the bound of the tile-id map floor(bos/16) + seq + step).
+    chain counter); cu: [N + 1] int32, cu_seqlens clamped into [0, T] for prepare (by the setup kernel, or by
+    the runtime on the intra-card CP path), 16 bytes past the order's end rounded up (the forward stage
+    computes it the same way); S = T // 16 + N + 1 tile slots (the bound of the tile-id map
+    floor(bos/16) + seq + step).
     """
 
     qd: int
@@ -36,6 +38,7 @@ class Workspace(NamedTuple):
     gt: int
     ready: int
     order: int
+    cu: int
     size: int
     tile_slots: int
 
@@ -48,5 +51,6 @@ def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_by
     gt = aq + _up(total * num_v_heads * CHUNK * elem_bytes)
     ready = gt + _up(tile_slots * num_v_heads * head_dim_k * 4)
     order = ready + _up(tile_slots * num_v_heads * 4)
-    size = -(-(order + (num_seqs + 2) * 4) // ROW) * ROW
-    return Workspace(plane, 2 * plane, aq, gt, ready, order, size, tile_slots)
+    cu = order + _up((num_seqs + 2) * 4)
+    size = -(-(cu + (num_seqs + 1) * 4) // ROW) * ROW
+    return Workspace(plane, 2 * plane, aq, gt, ready, order, cu, size, tile_slots)

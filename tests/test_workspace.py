@@ -24,6 +24,7 @@ def test_buffers_are_aligned_disjoint_and_in_bounds(total: int, heads: int, seqs
         "gt": slots * heads * k * 4,
         "ready": slots * heads * 4,
         "order": (seqs + 2) * 4,  # the ranking, the mode word, the fused kernel's chain counter
+        "cu": (seqs + 1) * 4,  # cu_seqlens clamped into [0, T], for prepare
     }
     starts = {"kd": 0, **{name: getattr(ws, name) for name in sizes if name != "kd"}}
     spans = sorted((starts[n], starts[n] + sizes[n], n) for n in sizes)

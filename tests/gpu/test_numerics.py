@@ -430,6 +430,74 @@ def test_cuda_graph_replay_with_new_cu_seqlens(order: str, monkeypatch: pytest.M
 
 
 # ---------------------------------------------------------------------------------------------------------
+# cu_seqlens out of range on the GPU: clamped on the device, the call ends
+# ---------------------------------------------------------------------------------------------------------
+
+_BAD_CU_SNIPPET = """
+import json, sys
+import torch
+import kdagen
+from kdagen.reference import make_inputs
+
+spec = json.loads(sys.argv[1])
+kernel = kdagen.get_kernel(spec)
+T, H = 1024, 2
+inp = make_inputs(1, T, H, H * spec["gva_ratio"], spec["head_dim_k"], spec["head_dim_v"], dtype=spec["dtype"],
+                  beta_dtype=spec["beta_dtype"], g_dtype=spec["g_dtype"], gate=spec["gate"],
+                  safe_gate=spec["safe_gate"], lower_bound=spec["lower_bound"], seed=3, device="cuda",
+                  l2norm_qk=spec["l2norm_qk"], cu_seqlens=[0, 500, T], with_initial_state=True,
+                  state_layout=spec["state_layout"])
+
+def call(cu):
+    cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    o, ht = kernel(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                   dt_bias=inp["dt_bias"], initial_state=inp["initial_state"], output_final_state=True,
+                   cu_seqlens=cu)
+    torch.cuda.synchronize()
+    return o, ht
+
+# (bad offsets, the valid offsets they clamp to: [0, T] on the device)
+for bad, valid in (([0, 500, 5000], [0, 500, T]), ([0, 2**30, T], [0, T, T]), ([0, -64, T], [0, 0, T]),
+                   ([-7, 300, T + 16], [0, 300, T])):
+    o, ht = call(bad)
+    o_ref, ht_ref = call(valid)
+    same = torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    print("CASE", bad, "ended; same as", valid, ":", same, flush=True)
+    assert same, f"cu_seqlens={bad}: results differ from those of {valid}"
+print("DONE")
+"""
+
+_BAD_CU_RUNS = [
+    ("wgmma fused, CTA pairs", {**cases.SPECS["lb_safe"], "family": "wgmma"}, {"KDAGEN_FUSED": "on"}),
+    ("wgmma fused, one CTA a chain", {**cases.SPECS["lb_safe"], "family": "wgmma"},
+     {"KDAGEN_FUSED": "on", "KDAGEN_FUSED_PAIR": "off"}),
+    ("wgmma two-stage", {**cases.SPECS["lb_safe"], "family": "wgmma"}, {"KDAGEN_FUSED": "off"}),
+    ("mma_sync", {**cases.SPECS["lb_safe"], "family": "mma_sync"}, {}),
+    ("non-safe gate", cases.SPECS["p_reset_vk_bbf16"], {}),
+    ("intra-card CP", {**cases.SPECS["lb_safe"], "family": "wgmma"}, {"KDAGEN_INTRACARD_CP": "256"}),
+]
+
+
+@pytest.mark.parametrize(("label", "spec", "env"), _BAD_CU_RUNS, ids=[r[0] for r in _BAD_CU_RUNS])
+def test_out_of_range_device_cu_seqlens_end_the_call(label: str, spec: dict[str, Any], env: dict[str, str]):
+    """cu_seqlens on the GPU are not read on the host (no synchronisation), so values past the tokens or below
+    zero reach the kernels. They clamp every offset into [0, T]: the call ends, neither hanging on a tile no
+    prepare CTA makes nor faulting, with the results of the clamped offsets. Run in a child process, so that
+    a hang or a dead CUDA context fails this test instead of the session."""
+    import kdagen
+
+    kdagen.get_kernel(dict(spec))  # built (or found) here, so the child only loads it
+    try:
+        res = subprocess.run([sys.executable, "-c", _BAD_CU_SNIPPET, json.dumps(spec)],
+                             env=_subprocess_env(**env), capture_output=True, text=True, timeout=300,
+                             cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{label}: the call did not end in 300 s (a hang); output so far: {e.stdout!r}")
+    assert res.returncode == 0 and "DONE" in res.stdout, f"{label}: {res.stdout}\n{res.stderr[-3000:]}"
+    print(res.stdout.strip())
+
+
+# ---------------------------------------------------------------------------------------------------------
 # prebuilt artifacts: KDAGEN_DISABLE_JIT
 # ---------------------------------------------------------------------------------------------------------
 
