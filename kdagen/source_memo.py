@@ -27,7 +27,7 @@ import pydantic
 from kdagen import __version__, paths
 from kdagen.files import write_atomic
 
-__all__ = ["memo_id", "load_digests", "store_digests", "MEMO_DIR"]
+__all__ = ["generator_digest", "memo_id", "load_digests", "store_digests", "MEMO_DIR"]
 
 MEMO_DIR = paths.CACHE_SOURCES_SUBDIR
 _FORMAT = 1  # bump when the memo's content changes meaning
