@@ -50,30 +50,25 @@ def _render(spec: KernelSpec, plan: Plan) -> dict[str, str]:
     return render_variant(spec, plan)
 
 
+def _planned(spec: KernelSpec) -> Plan:
+    validate_capabilities(spec)
+    return make_plan(spec)
+
+
 def describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any]]:
     """(plan, rendered sources, key, key parts) without compiling anything."""
-    plan, rendered, key, parts, _ = _describe(spec)
+    plan = _planned(spec)
+    rendered = _render(spec, plan)
+    key, parts = cache_key(spec, rendered, _options(spec))
     return plan, rendered, key, parts
 
 
-def _describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any], str | None]:
-    """`describe`, plus the generator digest the sources came from (None if a file changed meanwhile)."""
-    validate_capabilities(spec)
-    plan = make_plan(spec)
-    generator = source_memo.generator_digest()
-    rendered = _render(spec, plan)
-    key, parts = cache_key(spec, rendered, _options(spec))
-    return plan, rendered, key, parts, generator if source_memo.generator_digest() == generator else None
-
-
-def _remembered_key(spec: KernelSpec) -> tuple[Plan, str] | None:
-    """(plan, key) from the remembered source digests (`kdagen.source_memo`), or None."""
-    validate_capabilities(spec)
-    plan = make_plan(spec)
-    digests = source_memo.load_digests(spec.canonical_json(), source_memo.generator_digest())
+def _remembered_key(spec: KernelSpec, plan: Plan, generator: str) -> str | None:
+    """The key from the source digests remembered for `generator` (`kdagen.source_memo`), or None."""
+    digests = source_memo.load_digests(spec.canonical_json(), generator)
     if digests is None or set(digests) != {f"{s.name}.py" for s in plan.stages}:
         return None
-    return plan, key_from_digests(spec, digests, _options(spec))[0]
+    return key_from_digests(spec, digests, _options(spec))[0]
 
 
 def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: Path) -> tuple[dict, float]:
@@ -116,18 +111,21 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
     vname, spec = resolve_spec(spec)
     name = name or vname
     cache = ArtifactCache()
-    remembered = None if force else _remembered_key(spec)
-    if remembered is not None:
-        plan, key = remembered
-        found = lookup_built(cache, spec, key, plan.stage_names)
+    plan = _planned(spec)
+    stages = plan.stage_names
+    generator = source_memo.generator_digest()
+    key = None if force else _remembered_key(spec, plan, generator)
+    if key is not None:
+        found = lookup_built(cache, spec, key, stages)
         if found is not None:
             return _cached(name, spec, key, plan, found)
     # No remembered key, or nothing built under it: render, which a compile needs anyway.
-    plan, rendered, key, parts, generator = _describe(spec)
-    stages = plan.stage_names
+    rendered = _render(spec, plan)
+    key, parts = cache_key(spec, rendered, _options(spec))
+    unchanged = source_memo.generator_digest() == generator  # no template or module edited during the render
 
     def remember() -> None:  # only once the entry exists: a refused build writes nothing
-        if generator is not None:
+        if unchanged:
             source_memo.store_digests(spec.canonical_json(), generator, source_digests(rendered))
 
     found = None if force else lookup_built(cache, spec, key, stages)

@@ -117,12 +117,15 @@ def test_remembered_key_equals_the_rendered_one(
     monkeypatch.setenv("KDAGEN_CACHE_DIR", str(tmp_path))
     _, spec = resolve_spec(f"specs/{file_name}:{name}")
     plan, rendered, key, _ = kdagen.build.describe(spec)
-    assert kdagen.build._remembered_key(spec) is None  # describe alone remembers nothing
-    source_memo.store_digests(spec.canonical_json(), source_memo.generator_digest(), source_digests(rendered))
-    remembered = kdagen.build._remembered_key(spec)
+    generator = source_memo.generator_digest()
+    assert kdagen.build._remembered_key(spec, plan, generator) is None  # describe alone remembers nothing
+    source_memo.store_digests(spec.canonical_json(), generator, source_digests(rendered))
+    remembered = kdagen.build._remembered_key(spec, plan, generator)
     assert remembered is not None
-    assert remembered[1] == key
-    assert remembered[0].stage_names == plan.stage_names
+    assert remembered == key
+    assert set(source_memo.load_digests(spec.canonical_json(), generator)) == {
+        f"{stage.name}.py" for stage in plan.stages
+    }
 
 
 def test_a_wrong_memo_costs_a_render_not_a_wrong_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -134,8 +137,8 @@ def test_a_wrong_memo_costs_a_render_not_a_wrong_kernel(tmp_path: Path, monkeypa
     plan, rendered, key, _ = kdagen.build.describe(spec)
     wrong = {name: "0" * 64 for name in source_digests(rendered)}
     source_memo.store_digests(spec.canonical_json(), source_memo.generator_digest(), wrong)
-    remembered = kdagen.build._remembered_key(spec)
-    assert remembered is not None and remembered[1] != key
+    remembered = kdagen.build._remembered_key(spec, plan, source_memo.generator_digest())
+    assert remembered is not None and remembered != key
     with pytest.raises(CacheMissError) as info:
         kdagen.build.build_variant(spec)
     assert f"key {key}" in str(info.value)
