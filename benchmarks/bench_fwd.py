@@ -575,18 +575,26 @@ def _timing(meta: dict[str, Any]) -> str:
     return median if rounds == 1 else f"{median}, median of {rounds} alternating rounds"
 
 
+def footer_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The line under the table, the plot's second title line and the Markdown file's footer: one text."""
+    # The headline geomean (the issue's bar) is over the 28 headline configs only; the long section is extra.
+    gm, n = headline_geomean(rows)
+    speedups = [r["speedup"] for r in rows if r.get("speedup")]
+    every = f" ({_fmt(geomean(speedups), '.3f')}x over all {len(speedups)} run)" if len(speedups) != n else ""
+    step = f"{meta['chunk']}-token step" if "chunk" in meta else "step"  # runs before "chunk" was recorded
+    card = meta["card"]
+    return (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs{every}; {_timing(meta)}; "
+            f"{meta['fla']}, torch {meta['torch']}; floors: HBM {_fmt(card['hbm_tbps'], 'g')} TB/s, "
+            f"{_fmt(card['bf16_tflops'], 'g')} TFLOP/s, serial {meta['step_us']:g} us per {step}; "
+            f"{_AGREEMENT}")
+
+
 def markdown_from_json(path: Path) -> str:
     data = json.loads(path.read_text())
     meta, rows = data["meta"], data["rows"]
-    gm, n = headline_geomean(rows)
     title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"),
                    any(r.get("fla_ms") for r in rows))
-    footer = (f"geomean speedup {_fmt(gm, '.3f')}x over the {n} headline configs; {_timing(meta)}; "
-              f"{meta['fla']}, torch {meta['torch']}; floors: HBM "
-              f"{_fmt(meta['card']['hbm_tbps'], 'g')} TB/s, "
-              f"{_fmt(meta['card']['bf16_tflops'], 'g')} TFLOP/s, "
-              f"serial {meta['step_us']:g} us per step; {_AGREEMENT}")
-    return write_markdown(rows, path.with_suffix(".md"), title, footer)
+    return write_markdown(rows, path.with_suffix(".md"), title, footer_text(meta, rows))
 
 
 def write_png(rows: list[dict[str, Any]], path: Path, title: str) -> str:
@@ -671,31 +679,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(configs)}] {cfg.name}: FLA {_fmt(row.get('fla_ms'))} ms, "
               f"kdagen {_fmt(row.get('kdagen_ms'))} ms", flush=True)
 
-    speedups = [r["speedup"] for r in rows if r.get("speedup")]
-    gm = geomean(speedups)
-    headline_gm, n_headline = headline_geomean(rows)
-    date = dt.datetime.now().strftime("%Y-%m-%d")
-    title = _title(card.name, date, args.spec, fla is not None)
-    # The headline geomean (the issue's bar) is over the 28 headline configs only, as in the Markdown table.
-    footer = (f"geomean speedup {_fmt(headline_gm, '.3f')}x over the {n_headline} headline configs "
-              f"({_fmt(gm, '.3f')}x over all {len(speedups)} run); {_timing(vars(args))}; "
-              f"floors: HBM {_fmt(card.hbm_tbps, 'g')} TB/s, "
-              f"{_fmt(card.bf16_tflops, 'g')} TFLOP/s, serial {args.step_us:g} us per "
-              f"{target.chunk}-token step; {_AGREEMENT}")
-    print_table(rows, title, footer)
-
-    json_path = args.json or REPO_ROOT / "benchmarks" / "results" / f"{card.slug}-{date}.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now()
     meta = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "card": asdict(card),
+        "date": now.isoformat(timespec="seconds"), "card": asdict(card),
         "torch": torch.__version__, "cuda": torch.version.cuda, "fla": fla_note,
         "FLA_USE_FAST_OPS": os.environ.get("FLA_USE_FAST_OPS"), "kdagen_spec": target.info or target.spec_arg,
         "spec_arg": args.spec, "kdagen_error": target.error, "iters": args.iters, "warmup": args.warmup,
-        "rounds": args.rounds,
-        "step_us": args.step_us, "flop_per_token_head": target.problem.flop_per_token_head(),
-        "fla_options": target.problem.fla_kwargs(), "seed": SEED, "geomean_speedup": gm,
-        "headline_geomean_speedup": headline_gm,
+        "rounds": args.rounds, "step_us": args.step_us, "chunk": target.chunk,
+        "flop_per_token_head": target.problem.flop_per_token_head(),
+        "fla_options": target.problem.fla_kwargs(), "seed": SEED,
+        "geomean_speedup": geomean([r["speedup"] for r in rows if r.get("speedup")]),
+        "headline_geomean_speedup": headline_geomean(rows)[0],
     }
+    title = _title(card.name, now.strftime("%Y-%m-%d"), args.spec, fla is not None)
+    footer = footer_text(meta, rows)
+    print_table(rows, title, footer)
+
+    json_path = args.json or REPO_ROOT / "benchmarks" / "results" / f"{card.slug}-{now:%Y-%m-%d}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {json_path}")
     print(write_png(rows, args.png or json_path.with_suffix(".png"), f"{title}\n{footer}"))

@@ -113,3 +113,19 @@ def test_rounds_alternate_and_a_failing_side_is_reported_alone(monkeypatch: pyte
     assert order == ["fla", "kdagen", "fla", "kdagen", "kdagen"]
     assert times == {"kdagen": [1.0, 1.0, 1.0]}
     assert errors == {"fla": "RuntimeError: boom"}
+
+
+def test_markdown_from_a_result_json_keeps_its_rows_and_headline_geomean(tmp_path):
+    # --md-from rebuilds a committed result's table; its footer is the one the run printed (footer_text).
+    src = paths.benchmarks_dir() / "results" / "h100-2026-11-27-loadpath.json"
+    copy = tmp_path / "run.json"
+    copy.write_text(src.read_text())
+    assert bench_fwd.markdown_from_json(copy) == f"wrote {tmp_path / 'run.md'}"
+    text = (tmp_path / "run.md").read_text()
+    data = bench_fwd.json.loads(src.read_text())
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table_rows) == len(data["rows"]) + 1  # the header row, then one row per config
+    gm, n = bench_fwd.headline_geomean(data["rows"])
+    assert n == 28 and gm == pytest.approx(data["meta"]["headline_geomean_speedup"])
+    footer = bench_fwd.footer_text(data["meta"], data["rows"])
+    assert footer in text and f"geomean speedup {gm:.3f}x over the 28 headline configs (" in footer
