@@ -421,7 +421,7 @@ class KDAKernel:
                 beside = policy == "on" or (policy == "auto" and rec_ctas <= sms)
                 prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
                 self._forward(q, k, g, beta, *gate_args, cu, v, h0, ht_arg, o, buf, ws.qd, ws.akt, ws.aq,
-                              ws.gt, ws.ready, ws.order, float(scale), prepare_ctas, 1,
+                              ws.gt, ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1,
                               int(initial_state is not None), int(ht is not None),
                               int(self._by_length(nseq, rec_ctas, sms)),
                               *self._fused_args(nseq, hv, total, sms))

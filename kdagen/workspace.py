@@ -27,9 +27,8 @@ class Workspace(NamedTuple):
     kd, qd, akt: [T, HV, K] (the input dtype); aq: [T, HV, 16]; gt: [S, HV, K] fp32; ready: [S, HV] int32;
     order: [N + 2] int32 (the ranking, at [N] the path the setup kernel chose, at [N + 1] the fused kernel's
     chain counter); cu: [N + 1] int32, cu_seqlens clamped into [0, T] for prepare (by the setup kernel, or by
-    the runtime on the intra-card CP path), 16 bytes past the order's end rounded up (the forward stage
-    computes it the same way); S = T // 16 + N + 1 tile slots (the bound of the tile-id map
-    floor(bos/16) + seq + step).
+    the runtime on the intra-card CP path), after the order; S = T // 16 + N + 1 tile slots (the bound of
+    the tile-id map floor(bos/16) + seq + step).
     """
 
     qd: int
