@@ -1,0 +1,33 @@
+"""Device code shared by the rendered stages: `@cute.jit` building blocks with explicit parameters.
+
+A rendered stage in ``generated/`` holds what is specific to its variant (constants, signature, kernel body)
+and imports what it shares from here (``from kdagen.kernels import common``). Nothing in this package reads
+names of the module that imports it: every variant-specific value arrives as an argument (a
+`cutlass.Constexpr` where it shapes the code).
+
+Importing the package is cheap: the submodules import cutlass, and only a stage file imports them.
+`device_digest` hashes their sources, because a stage's machine code depends on them as much as on its own
+text: the binary cache key carries it (`kdagen.keys`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+__all__ = ["device_digest"]
+
+_ROOT = Path(__file__).resolve().parent
+
+
+@functools.cache
+def device_digest() -> str:
+    """sha256 over the relative path and bytes of every ``*.py`` of this package (sorted; cached per process)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in _ROOT.rglob("*.py") if "__pycache__" not in p.parts):
+        rel = path.relative_to(_ROOT).as_posix().encode()
+        data = path.read_bytes()
+        h.update(b"%d:%s%d:" % (len(rel), rel, len(data)))
+        h.update(data)
+    return h.hexdigest()
