@@ -1,0 +1,220 @@
+"""Device building blocks every stage shares: layouts and copies, packing, ready flags, state and output
+access, sequence bounds.
+
+Trace-time helpers (plain functions) build layouts and copies; `@cute.jit` ones are inlined into the kernel
+that calls them. Every value that differs between variants is a parameter: a `cutlass.Constexpr` where it
+shapes the code (the state layout, tile sizes, the output dtype).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+__all__ = [
+    "swizzled_rows",
+    "row_copy",
+    "a_view",
+    "split_bf16",
+    "pack2",
+    "wait_flag",
+    "wait_ready_group",
+    "map_planes",
+    "state_load",
+    "state_store",
+    "store_o_step",
+    "cu_at",
+    "zero_padding_tail",
+    "find_run",
+    "seq_of_slice",
+    "fused_mode",
+]
+
+
+def swizzled_rows(rows: int, cols: int, stages: int | None = None):
+    """(rows, cols[, stages]) of 16-bit values from an 8 x 64 atom (128-byte rows) with a 3-bit XOR swizzle:
+    conflict-free ldmatrix (plain and .trans) and 16-byte cp.async."""
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def row_copy(dtype, cols: int, threads: int, to_global: bool = False):
+    """16 bytes per thread per copy, threads laid out row-major over a (rows, cols) tile: cp.async into
+    shared memory, or plain vector stores out of it."""
+    per_row = cols * dtype.width // 128
+    op = (
+        cute.nvgpu.CopyUniversalOp()
+        if to_global
+        else cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+    )
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
+    thr = cute.make_layout((threads // per_row, per_row), stride=(per_row, 1))
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 128 // dtype.width)))
+
+
+@cute.jit
+def a_view(r: cute.Tensor) -> cute.Tensor:
+    # A 16-bit copy of an m16n8k16 C fragment ((2,2), M, N) re-viewed as an A fragment (((2,2),2), M, N/2):
+    # two n8 tiles are one k16 block, a within-lane regrouping (the FlashAttention-2 P@V trick).
+    d = cute.logical_divide(r.layout, (None, None, 2))
+    view = cute.make_layout(
+        ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+        stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+    )
+    return cute.make_tensor(r.iterator, view)
+
+
+@cute.jit
+def split_bf16(x: cutlass.Float32):
+    # x ~= hi + lo in bf16: three bf16 products (hi*hi + hi*lo + lo*hi) keep ~16 mantissa bits, which
+    # cancelling dot products need (one bf16 product loses ~2 digits there; kda-math.md §2.7).
+    hi = x.to(cutlass.BFloat16)
+    lo = (x - hi.to(cutlass.Float32)).to(cutlass.BFloat16)
+    return hi, lo
+
+
+@cute.jit
+def pack2(x0: cutlass.Float32, x1: cutlass.Float32, dtype):
+    # Two fp32 values as one 32-bit word of two 16-bit values (x0 in the low half): one cvt.rn.*x2.
+    f = cute.make_rmem_tensor(cute.make_layout((2,)), cutlass.Float32)
+    f[0] = x0
+    f[1] = x1
+    h = cute.make_rmem_tensor(cute.make_layout((2,)), dtype)
+    h.store(f.load().to(dtype))
+    return cute.recast_tensor(h, cutlass.Int32)[0]
+
+
+@cute.jit
+def wait_flag(mReady: cute.Tensor, tile: cutlass.Int32, hv: cutlass.Int32):
+    # Spin until prepare has raised the ready flag of (tile, value head). Acquire loads: once the flag is
+    # seen, the tile's outputs are visible too.
+    flag = mReady.iterator + cute.crd2idx((tile, hv), mReady.layout)
+    seen = cute.arch.load(flag, cutlass.Int32, sem="acquire", scope="gpu")
+    while seen == 0:
+        seen = cute.arch.load(flag, cutlass.Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
+def wait_ready_group(mReady, tile_base, hv, first, num_steps, lane, ready_group: cutlass.Constexpr):
+    # Lanes 0 .. ready_group - 1 of the calling warp wait, one tile each, until prepare has flagged the tiles
+    # of steps first .. first + ready_group - 1. One wait per group keeps the flag latency off most steps;
+    # the caller orders its loads of those steps after the wait.
+    s = first + lane
+    if lane < ready_group and s < num_steps:
+        wait_flag(mReady, tile_base + s, hv)
+
+
+@cute.jit
+def map_planes(mMaps: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, k: cutlass.Constexpr,
+               v: cutlass.Constexpr) -> cute.Tensor:
+    # The segment map M of (slot, value head) in intra-card CP: two k x k bf16 planes, hi then lo, stored in
+    # the bytes of the map's fp32 rows v.. The prescan writes them; the merge copies them.
+    base = mMaps.iterator + cute.crd2idx((slot, hv, v, 0), mMaps.layout)
+    return cute.make_tensor(
+        cute.recast_ptr(base, dtype=cutlass.BFloat16), cute.make_layout((2, k, k), stride=(k * k, k, 1))
+    )
+
+
+@cute.jit
+def state_load(mS: cute.Tensor, n: cutlass.Int32, hv: cutlass.Int32, vr: cutlass.Int32, kc: cutlass.Int32,
+               kv_layout: cutlass.Constexpr):
+    # Element (value row vr, key column kc) of state n: mS is [N, HV, K, V] with kv_layout, else
+    # [N, HV, V, K] (the recurrences and the merge read S^T entries this way).
+    x = cutlass.Float32(0.0)
+    if cutlass.const_expr(kv_layout):
+        x = mS[n, hv, kc, vr]
+    else:
+        x = mS[n, hv, vr, kc]
+    return x
+
+
+@cute.jit
+def state_store(mS: cute.Tensor, n: cutlass.Int32, hv: cutlass.Int32, vr: cutlass.Int32, kc: cutlass.Int32,
+                x: cutlass.Float32, kv_layout: cutlass.Constexpr):
+    # `state_load`'s element, written.
+    if cutlass.const_expr(kv_layout):
+        mS[n, hv, kc, vr] = x
+    else:
+        mS[n, hv, vr, kc] = x
+
+
+@cute.jit
+def store_o_step(thr_mma, tile: cute.Tensor, acc_o: cute.Tensor, coord_o: cute.Tensor, rows: cutlass.Int32,
+                 bv: cutlass.Constexpr, bt: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    # A step's O^T (bv values x bt tokens, partitioned by `thr_mma`, coordinates `coord_o`) into its
+    # (tokens, values) tile of o, viewed as (values, tokens). The addresses come from the tile's layout (one
+    # base, fixed offsets) and only a run's last, partial step is masked: per-element index arithmetic and a
+    # branch per store would be over a quarter of a consumer warp's instructions per step
+    # (docs/experiments.md, "o stores").
+    vt = cute.make_layout((bv, bt), stride=(tile.layout.stride[1], tile.layout.stride[0]))
+    tOg = thr_mma.partition_C(cute.make_tensor(tile.iterator, vt))
+    if rows >= bt:
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            tOg[i] = acc_o[i].to(dtype)
+    else:
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            if coord_o[i][1] < rows:
+                tOg[i] = acc_o[i].to(dtype)
+
+
+@cute.jit
+def cu_at(mCu: cute.Tensor, j: cutlass.Int32, num_tokens: cutlass.Int32) -> cutlass.Int32:
+    # cu_seqlens[j] clamped into [0, num_tokens]. Offsets left on the GPU are not checked on the host (that
+    # would synchronise), and one out of range must neither send a kernel past its tensors nor make the
+    # recurrence wait for a tile that no prepare CTA makes: garbage in gives garbage out, but the call ends.
+    # Prepare, which searches the offsets for every tile, reads a clamped copy made with this helper by the
+    # forward stage's setup kernel, so every stage agrees on the bounds.
+    return cutlass.min(cutlass.max(mCu[j], 0), num_tokens)
+
+
+@cute.jit
+def zero_padding_tail(mO: cute.Tensor, mCu: cute.Tensor, hv: cutlass.Int32, v0: cutlass.Int32,
+                      tidx: cutlass.Int32, bv: cutlass.Constexpr, num_threads: cutlass.Constexpr,
+                      dtype: cutlass.Constexpr):
+    # o = 0 for the tokens past cu_seqlens[-1] (engine padding), in this CTA's head and V-slice (bv value
+    # columns from v0), by its num_threads threads: the caller need not zero-fill o first.
+    tail0 = cu_at(mCu, mCu.shape[0] - 1, mO.shape[0])
+    tail = mO.shape[0] - tail0
+    for idx in range(tidx, tail * bv, num_threads):
+        mO[tail0 + idx // bv, hv, v0 + idx % bv] = dtype(0.0)
+
+
+@cute.jit
+def find_run(mCu: cute.Tensor, unit: cutlass.Int32, slot: cutlass.Int32) -> cutlass.Int32:
+    # The sequence that owns `slot` in the map slot = floor(bos / unit) + seq + j (j: the unit-sized piece of
+    # the sequence). The map is injective and monotone in seq, so a binary search over cu_seqlens finds it on
+    # the device: no host-side table, no synchronisation. Callers pass offsets already clamped into [0, T].
+    lo = cutlass.Int32(0)
+    hi = mCu.shape[0] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mCu[mid] // unit + mid <= slot:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cute.jit
+def seq_of_slice(mOrder: cute.Tensor, by_length: cutlass.Int32, z: cutlass.Int32,
+                 num_seqs: cutlass.Int32) -> cutlass.Int32:
+    # The sequence of the recurrence's grid slice z: the z-th longest when the forward stage's setup kernel
+    # ranked them (by_length), else sequence z; z = N (the padding tail) stays N. Setup ran before prepare, so
+    # the entry is there; the load is gpu-scoped (not from a possibly stale L1 line of an earlier call's
+    # buffer).
+    seq = z
+    if by_length != 0:
+        if z < num_seqs:
+            seq = cute.arch.load(mOrder.iterator + z, cutlass.Int32, sem="acquire", scope="gpu")
+    return seq
+
+
+@cute.jit
+def fused_mode(mOrder: cute.Tensor, num_seqs: cutlass.Int32) -> cutlass.Int32:
+    # The path the forward stage's setup kernel chose for this call (1: the fused kernel, 0: prepare and the
+    # recurrence), in the word after the ranking, order[N]. Setup ran before every reader; gpu-scoped, as
+    # `seq_of_slice`'s loads.
+    return cute.arch.load(mOrder.iterator + num_seqs, cutlass.Int32, sem="acquire", scope="gpu")
