@@ -26,6 +26,9 @@ Run from the repository root on a GPU machine:
 
     PYTHONPATH=. python benchmarks/bench_fwd.py [--quick] [--only fixed|varlen] [--long] [--spec f.yaml:name]
 
+It writes the JSON rows, a Markdown table and a PNG plot to ``benchmarks/out/`` (git-ignored); a run that
+becomes a reference is written with ``--json benchmarks/results/<card>/<spec>.json`` or copied there.
+
 FLA (fla-core 0.6.0) is optional: without it kdagen runs alone. A config on which kdagen (or FLA) raises
 shows the error in its row and the run goes on.
 """
@@ -642,7 +645,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hbm-tbps", type=float, help="HBM bandwidth in TB/s (default: from the card name)")
     p.add_argument("--peak-tflops", type=float, help="peak bf16 dense TFLOP/s (default: from the card name)")
     p.add_argument("--no-fla", action="store_true", help="do not run FLA even if it is installed")
-    p.add_argument("--json", type=Path, help="result file (default benchmarks/results/<card>-<date>.json)")
+    p.add_argument("--json", type=Path, help="result file (default benchmarks/out/<card>-<date>.json, "
+                   "git-ignored; a reference run goes to benchmarks/results/<card>/<spec>.json)")
     p.add_argument("--png", type=Path, help="plot file (default: the JSON path with .png)")
     p.add_argument("--md-from", type=Path, help="only write the Markdown table of an existing result JSON")
     args = p.parse_args(argv)
@@ -695,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     footer = footer_text(meta, rows)
     print_table(rows, title, footer)
 
-    json_path = args.json or REPO_ROOT / "benchmarks" / "results" / f"{card.slug}-{now:%Y-%m-%d}.json"
+    json_path = args.json or REPO_ROOT / "benchmarks" / "out" / f"{card.slug}-{now:%Y-%m-%d}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {json_path}")

@@ -10,6 +10,9 @@ bytecode (a read-only site, or ``PYTHONDONTWRITEBYTECODE``) compiles every modul
 point ``PYTHONPYCACHEPREFIX`` at a writable directory there, and unset ``PYTHONDONTWRITEBYTECODE``.
 
     PYTHONPATH=. python benchmarks/bench_load.py [SPECFILE] [--processes 5]
+
+It prints its results and writes no file; a log of a run belongs in ``benchmarks/out/`` (git-ignored), e.g.
+``... | tee benchmarks/out/bench_load.log``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ around each whole call, median of ``--iters``) in ``--rounds`` rounds, for kdage
 device time alone by CUDA-graph replay (no host work between launches).
 
     PYTHONPATH=. python benchmarks/bench_small.py [--batch 1] [--tokens 512] [--heads 64] [--spec f.yaml:name]
+
+It prints its results and writes no file; a log of a run belongs in ``benchmarks/out/`` (git-ignored), e.g.
+``... | tee benchmarks/out/bench_small.log``.
 """
 
 from __future__ import annotations

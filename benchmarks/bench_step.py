@@ -10,7 +10,10 @@ overlaps the chain, so that figure bounds the step latency from above). `--fused
 path, to time the recurrence kernel alone.
 
     python benchmarks/bench_step.py [--tokens 16384] [--heads 1 4 16 64 128] [--fused auto|on|off]
-                                    [--json out.json]
+                                    [--json benchmarks/out/step.json]
+
+It prints the table; ``--json`` also writes the rows and a Markdown table beside them (``benchmarks/out/`` is
+git-ignored; a reference run goes to ``benchmarks/results/<card>/recurrence-step-<family>.json``).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, nargs="+", default=[1, 4, 16, 64, 128])
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the rows here and the Markdown table beside them "
+                    "(none by default; benchmarks/out/ is git-ignored)")
     ap.add_argument("--family", choices=("auto", "wgmma", "mma_sync"), default="auto",
                     help="template family of the recurrence (auto: the planner's choice, wgmma on sm_90a)")
     ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",

@@ -39,7 +39,7 @@ WORKSPACE_ROW = 256
 # split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp. The setup kernel runs
 # it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
 # path. The margin was 1.1 while the fused kernel took ~2.0 us a step against ~2.4 us per balanced step of
-# the two-stage path. With the cheaper prepare tile (docs/internals.md) it takes ~1.7 us (B=2 T=16384 1.76
+# the two-stage path. With the cheaper prepare tile (docs/experiments.md) it takes ~1.7 us (B=2 T=16384 1.76
 # against 2.37 ms), and forced on, it beat the two-stage path at every benchmark config whose estimate was
 # within 1.27 x balanced (same H100 session, ms, fused against two-stage: B=2 T=512 [1.13 x] 0.078-0.098
 # against 0.102-0.103; 10 x 410 tokens [1.15 x] 0.283 against 0.328; 20 x 410 [1.15 x] 0.541-0.548 against
@@ -74,7 +74,7 @@ FUSED_QUEUE = 4
 # heads: 0.93-0.96 against 1.64-1.70 ms), so FUSED_PAIR_STEP = 0.6 scales the setup kernel's estimate.
 # With it B=1 T=16384 H=64 takes 0.96 ms against 1.19 on the two-stage path (fp32 g: 1.06 against 1.30),
 # T=2048 0.138 against 0.166; at 48 heads and fewer the two-stage path is as fast or faster (its
-# recurrence steps in ~0.6-1.0 us there), and the rule keeps it (docs/internals.md, "The fused kernel in
+# recurrence steps in ~0.6-1.0 us there), and the rule keeps it (docs/architecture.md, "The fused kernel in
 # CTA pairs").
 FUSED_PAIR_STAGES = 8
 FUSED_PAIR_STEP = 0.6
@@ -112,7 +112,7 @@ class Plan:
 # Why `auto` picks a target's first family. On sm_90a both families build every spec and pass the same tests;
 # wgmma is first because its recurrence is the faster one (H100, 2026-11-26, benchmarks/bench_step.py
 # --family, T=16384, same machine: 0.57 against 0.72 us per step at 1 head; at 64 heads beside prepare the
-# recurrence ends at 1.19 against 1.46 ms, benchmarks/results/h100-2026-11-26-recurrence-step-family-*).
+# recurrence ends at 1.19 against 1.46 ms, docs/experiments.md).
 _AUTO_REASONS = {
     ("sm_90a", "wgmma"): "Hopper: the recurrence on warpgroup MMA fed by TMA from a producer warp (0.57 vs "
     "0.72 us per step for mma_sync on an H100); prepare and the intra-card CP stages are the mma_sync ones",
@@ -163,7 +163,7 @@ def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
     ceiling. Four heads a CTA and at most four CTAs (16 warps, 128 registers a thread) is the most the
     register file allows without spilling the fragment-resident tile. Without the safe gate the heads a CTA,
     of four, two or one, that put the most warps on an SM: the pairwise path's ~31 KB a warp needed it (one
-    head a CTA, seven CTAs on sm_90a: docs/internals.md, "Prepare without a gate bound"); the anchored path
+    head a CTA, seven CTAs on sm_90a: docs/experiments.md, "Prepare without a gate bound"); the anchored path
     that replaced it takes the safe gate's bytes a warp, so on sm_90a and sm_100a both gates get four heads
     and four CTAs, while on sm_80 and sm_89 (compile-only here) the non-safe variants take more, smaller
     CTAs than the safe ones, a layout never measured there.
@@ -227,7 +227,7 @@ def _has_fused(family: str, spec: KernelSpec) -> bool:
     memory (every spec today). Without the safe gate it builds and passes the GPU tests (the anchored tile
     fits beside the ring), but runs ~1.9x slower than the two-stage path: its four prepare warps a CTA set
     the pace, and the anchored tile is longer than the safe one (H100, softplus spec, B2 T16384 5.63 against
-    2.96 ms; docs/internals.md, "Anchored blocks on tensor cores")."""
+    2.96 ms; docs/experiments.md, "Anchored blocks on tensor cores")."""
     return (family == "wgmma" and spec.safe_gate
             and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
 

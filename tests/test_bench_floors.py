@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from kdagen import paths
 
 sys.path.insert(0, str(paths.benchmarks_dir()))
 import bench_fwd  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "bench"
 
 CARD = bench_fwd.Card("H100", "h100", 3.35, 989.0)
 IO = {"qk": 2, "v": 2, "o": 2, "g": 2, "beta": 4}
@@ -116,8 +119,9 @@ def test_rounds_alternate_and_a_failing_side_is_reported_alone(monkeypatch: pyte
 
 
 def test_markdown_from_a_result_json_keeps_its_rows_and_headline_geomean(tmp_path):
-    # --md-from rebuilds a committed result's table; its footer is the one the run printed (footer_text).
-    src = paths.benchmarks_dir() / "results" / "h100-2026-11-27-loadpath.json"
+    # --md-from rebuilds a result's table; its footer is the one the run printed (footer_text). The fixture is
+    # an H100 run's JSON cut to three headline configs and the long one (meta geomeans recomputed for them).
+    src = FIXTURES / "bench-fwd-result.json"
     copy = tmp_path / "run.json"
     copy.write_text(src.read_text())
     assert bench_fwd.markdown_from_json(copy) == f"wrote {tmp_path / 'run.md'}"
@@ -126,6 +130,6 @@ def test_markdown_from_a_result_json_keeps_its_rows_and_headline_geomean(tmp_pat
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table_rows) == len(data["rows"]) + 1  # the header row, then one row per config
     gm, n = bench_fwd.headline_geomean(data["rows"])
-    assert n == 28 and gm == pytest.approx(data["meta"]["headline_geomean_speedup"])
+    assert n == 3 and gm == pytest.approx(data["meta"]["headline_geomean_speedup"])
     footer = bench_fwd.footer_text(data["meta"], data["rows"])
-    assert footer in text and f"geomean speedup {gm:.3f}x over the 28 headline configs (" in footer
+    assert footer in text and f"geomean speedup {gm:.3f}x over the 3 headline configs (" in footer

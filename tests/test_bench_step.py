@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from kdagen import paths
 
 sys.path.insert(0, str(paths.benchmarks_dir()))
 import bench_step  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "bench"
 
 # Kernel symbols as the CUDA profiler names them: the function name inside CuTe DSL's mangled one.
 MANGLED = "kernel_cutlass_{}_kernel_tensorptrf32gmemalign16o1234_Int32_0"
@@ -38,6 +41,6 @@ def test_markdown_marks_fused_steps_and_reads_runs_without_the_fused_column():
         {"heads": 64, "cp": "off", "chain": "fused", "us_per_step": 1.162, "prepare_ms": 0.0,
          "recurrence_ms": 0.003, "fused_ms": 1.19, "merge_ms": 0.0}]}
     assert "| 64 | off | 0.000 | 0.003 | 1.190 | 0.000 | 1.162 (fused) |" in bench_step.markdown(new)
-    committed = paths.benchmarks_dir() / "results" / "h100-2026-11-26-recurrence-step-family-wgmma.json"
-    old = json.loads(committed.read_text())  # written before the fused column existed
+    # An H100 run's rows (1 and 64 heads), written before the fused column existed.
+    old = json.loads((FIXTURES / "recurrence-step-without-fused-column.json").read_text())
     assert "| 1 | off | 0.043 | 0.581 | 0.000 | 0.000 | 0.568 |" in bench_step.markdown(old)

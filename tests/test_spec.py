@@ -37,7 +37,7 @@ def _err(fn, *args: Any, **kwargs: Any) -> str:
 # -- the model ----------------------------------------------------------------------------------------------
 
 
-def test_defaults_match_internals():
+def test_defaults_match_architecture():
     assert BASE.model_dump() == {
         "arch": "sm_90a",
         "family": "auto",

@@ -20,7 +20,7 @@ from kdagen.reference import kda_recurrent_reference, make_inputs
 GPU_TOL = 0.005  # relative RMSE for o and the final state, bf16/fp16 kernel vs fp64 reference (kda-math §4.2)
 ARCH = "sm_90a"
 
-# Gate presets (kda-math §2.1 and docs/internals.md validation rules).
+# Gate presets (kda-math §2.1 and docs/architecture.md validation rules).
 P_SAFE = {"gate": "precomputed", "safe_gate": True, "lower_bound": -5.0}  # caller clamps g to [-5, 0]
 P_RESET = {"gate": "precomputed", "safe_gate": False, "lower_bound": None}  # unbounded, g = -1000 resets
 SOFTPLUS = {"gate": "softplus", "safe_gate": False, "lower_bound": None}
