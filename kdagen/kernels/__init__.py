@@ -23,7 +23,8 @@ _ROOT = Path(__file__).resolve().parent
 
 @functools.cache
 def device_digest() -> str:
-    """sha256 over the relative path and bytes of every ``*.py`` of this package (sorted; cached per process)."""
+    """sha256 over the relative path and bytes of every ``*.py`` of this package (sorted; cached per
+    process)."""
     h = hashlib.sha256()
     for path in sorted(p for p in _ROOT.rglob("*.py") if "__pycache__" not in p.parts):
         rel = path.relative_to(_ROOT).as_posix().encode()
