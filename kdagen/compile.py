@@ -179,13 +179,14 @@ def _runtime_library() -> Path | None:
 _preloaded: set[Path] = set()
 
 
-def load_object(path: Path):
-    """Load an exported stage (``.so`` fast path, else ``.o``); returns the raw ``tvm_ffi.Function``.
+def load_object(path: Path, shared: Path | None = None):
+    """Load an exported stage: its shared library `shared` where given (fast path), else the object `path`;
+    returns the raw ``tvm_ffi.Function``.
 
-    The function is positional-only and launches on TVM-FFI's environment stream.
+    Only the files named are read (callers pass paths whose digests the cache checked). The function is
+    positional-only and launches on TVM-FFI's environment stream.
     """
-    shared = path.with_suffix(".so")
-    runtime = _runtime_library() if shared.is_file() else None
+    runtime = _runtime_library() if shared is not None else None
     if runtime is not None:
         import tvm_ffi
 
