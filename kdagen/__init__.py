@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from kdagen.errors import BuildError, CacheMissError, InputError, KdagenError, SpecError  # noqa: E402
+from kdagen.errors import (  # noqa: E402
+    BuildError,
+    CacheError,
+    CacheMissError,
+    InputError,
+    KdagenError,
+    LoadError,
+    SpecError,
+)
 from kdagen.spec import KernelSpec, load_spec_file, resolve_spec  # noqa: E402
 
 if TYPE_CHECKING:
@@ -29,7 +37,9 @@ __all__ = [
     "SpecError",
     "InputError",
     "CacheMissError",
+    "CacheError",
     "BuildError",
+    "LoadError",
 ]
 
 
