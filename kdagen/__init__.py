@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from kdagen.errors import BuildError, CacheMissError, InputError, KdagenError, SpecError  # noqa: E402
+from kdagen.errors import (  # noqa: E402
+    BuildError,
+    CacheError,
+    CacheMissError,
+    InputError,
+    KdagenError,
+    LoadError,
+    SpecError,
+)
 from kdagen.spec import KernelSpec, load_spec_file, resolve_spec  # noqa: E402
 
 if TYPE_CHECKING:
@@ -29,18 +37,21 @@ __all__ = [
     "SpecError",
     "InputError",
     "CacheMissError",
+    "CacheError",
     "BuildError",
+    "LoadError",
 ]
 
 
-def get_kernel(spec: KernelSpec | dict[str, Any] | str) -> KDAKernel:
+def get_kernel(spec: KernelSpec | dict[str, Any] | str, force: bool = False) -> KDAKernel:
     """A ready KDA forward for `spec` (a `KernelSpec`, a dict of fields, or ``"specs/sm90.yaml:<name>"``).
 
     Builds into the cache on a miss (or raises `CacheMissError` under ``KDAGEN_DISABLE_JIT=1``), then loads.
     Call it as ``o, final_state = kernel(q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None,
-    initial_state=None, output_final_state=False, cu_seqlens=None)``.
+    initial_state=None, output_final_state=False, cu_seqlens=None)``. A repeated call with the same argument
+    returns the kernel loaded before from memory; `force` rebuilds and reloads.
     """
     # Lazy: the build layer imports cutlass and tvm_ffi, which `import kdagen` must not.
     from kdagen.build import get_kernel as _g
 
-    return _g(spec)
+    return _g(spec, force=force)

@@ -9,15 +9,16 @@ importing Jinja or rendering. Anything short of a complete entry under that key 
 
 from __future__ import annotations
 
+import json
+import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kdagen import paths, source_memo
 from kdagen.cache import ArtifactCache
-from kdagen.errors import BuildError, CacheMissError
+from kdagen.errors import BuildError, CacheMissError, LoadError
 from kdagen.keys import cache_key, key_from_digests, source_digests, toolchain_fingerprint
 from kdagen.plan import Plan, make_plan
 from kdagen.spec import KernelSpec, resolve_spec, validate_capabilities
@@ -33,8 +34,9 @@ class BuildResult:
     compile_seconds: float
     artifact_bytes: int
     cached: bool
-    paths: dict[str, Path] = field(default_factory=dict)
+    paths: dict[str, Path] = field(default_factory=dict)  # {stage: its .o}, digests checked
     plan: Plan | None = None
+    shared: dict[str, Path] = field(default_factory=dict)  # {stage: its .so}, digests checked, where built
 
 
 def _options(spec: KernelSpec) -> str:
@@ -152,16 +154,25 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
                 published = cache.publish(spec, key, objects, meta)
                 remember()
                 size = sum(len(b) for b in objects.values())
-                objs = {s: published[s] for s in stages}
-                return BuildResult(name, spec, spec.slug(), key, stages, seconds, size, False, objs, plan)
+                objs, libs = _split(published, stages)
+                return BuildResult(
+                    name, spec, spec.slug(), key, stages, seconds, size, False, objs, plan, libs
+                )
     remember()
     return _cached(name, spec, key, plan, found)
 
 
+def _split(found: dict[str, Path], stages: list[str]) -> tuple[dict[str, Path], dict[str, Path]]:
+    """({stage: .o}, {stage: .so} where the entry has one) from an entry's artifact paths."""
+    objs = {s: found[s] for s in stages}
+    libs = {s: found[f"{s}.so"] for s in stages if f"{s}.so" in found}
+    return objs, libs
+
+
 def _cached(name: str | None, spec: KernelSpec, key: str, plan: Plan, found: dict[str, Path]) -> BuildResult:
     size = sum(p.stat().st_size for p in found.values())
-    objs = {s: found[s] for s in plan.stage_names}
-    return BuildResult(name, spec, spec.slug(), key, plan.stage_names, 0.0, size, True, objs, plan)
+    objs, libs = _split(found, plan.stage_names)
+    return BuildResult(name, spec, spec.slug(), key, plan.stage_names, 0.0, size, True, objs, plan, libs)
 
 
 def lookup_built(
@@ -172,24 +183,96 @@ def lookup_built(
     return cache.lookup(spec, key, stages + [f"{s}.so" for s in stages]) or cache.lookup(spec, key, stages)
 
 
+# Loaded kernels, one per key, and the argument each get_kernel call named -> its kernel: a repeated call
+# returns from memory before resolving, hashing or rendering anything.
 _loaded: dict[str, Any] = {}
+_by_argument: dict[tuple[str, ...], Any] = {}
 _lock = threading.Lock()
-last_load_seconds: float = 0.0
 
 
-def get_kernel(spec: Any):
-    """A ready `KDAKernel` for `spec` (a KernelSpec, a dict, or "file.yaml:name"); cached per process."""
-    global last_load_seconds
-    from kdagen.compile import load_object
+def _argument_key(spec: Any) -> tuple[str, ...] | None:
+    """What identifies a get_kernel argument within this process, or None when it has no stable identity.
+
+    A reference (``"file.yaml:name"``) counts with the working directory it is resolved against; a
+    `KernelSpec` by its canonical JSON; a dict by its sorted JSON.
+    """
+    try:
+        if isinstance(spec, (str, os.PathLike)):
+            return ("ref", os.fspath(spec), os.getcwd())
+        if isinstance(spec, KernelSpec):
+            return ("spec", spec.canonical_json())
+        if isinstance(spec, dict):
+            return ("dict", json.dumps(spec, sort_keys=True))
+    except (OSError, TypeError, ValueError):  # no working directory; a dict JSON cannot hold
+        return None
+    return None
+
+
+def get_kernel(spec: Any, force: bool = False):
+    """A ready `KDAKernel` for `spec` (a KernelSpec, a dict, or "file.yaml:name"); cached per process.
+
+    A repeated call with the same argument returns the kernel loaded before, without reading any file
+    (edits to a spec file or a template within the process are not seen). `force` rebuilds and reloads.
+    """
+    arg = _argument_key(spec)
+    if not force and arg is not None:
+        hit = _by_argument.get(arg)
+        if hit is not None:
+            return hit
+    name, resolved = resolve_spec(spec)
+    with _lock:
+        kernel = _kernel(resolved, name, force)
+        if arg is not None:
+            _by_argument[arg] = kernel
+    return kernel
+
+
+def _kernel(spec: KernelSpec, name: str | None, force: bool):
     from kdagen.runtime import KDAKernel
 
-    start = time.perf_counter()
-    name, spec = resolve_spec(spec)
-    with _lock:
-        built = build_variant(spec, name=name)
-        hit = _loaded.get(built.key)
-        if hit is None:
-            funcs = {stage: load_object(path) for stage, path in built.paths.items()}
-            hit = _loaded[built.key] = KDAKernel(spec, built.plan, funcs, name=name)
-    last_load_seconds = time.perf_counter() - start
+    built = build_variant(spec, force=force, name=name)
+    hit = None if force else _loaded.get(built.key)
+    if hit is None:
+        built, funcs = _load_or_rebuild(built, spec, name)
+        hit = _loaded[built.key] = KDAKernel(spec, built.plan, funcs, name=name)
     return hit
+
+
+def _load_or_rebuild(built: BuildResult, spec: KernelSpec, name: str | None) -> tuple[BuildResult, dict]:
+    """Load every stage of `built`; a failure rebuilds the entry once, and a second failure is a LoadError."""
+    try:
+        return built, _load_stages(built)
+    except LoadError as e:
+        if paths.jit_disabled():
+            raise LoadError(
+                f"{e}; {paths.ENV_DISABLE_JIT}=1 forbids the rebuild: rebuild it with kdagen build --force, "
+                f"or remove {_entry_of(built)}"
+            ) from e.__cause__
+    rebuilt = build_variant(spec, force=True, name=name)
+    try:
+        return rebuilt, _load_stages(rebuilt)
+    except LoadError as e:
+        raise LoadError(f"{e} (after one rebuild of the entry); remove {_entry_of(rebuilt)}") from e.__cause__
+
+
+def _entry_of(built: BuildResult) -> Path:
+    return next(iter(built.paths.values())).parent
+
+
+def _load_stages(built: BuildResult) -> dict[str, Any]:
+    """{stage: loaded function} from the paths whose digests the lookup checked (the .so where there is
+    one)."""
+    from kdagen.compile import load_object
+
+    funcs: dict[str, Any] = {}
+    for stage in built.stages:
+        obj, lib = built.paths[stage], built.shared.get(stage)
+        try:
+            funcs[stage] = load_object(obj, lib)
+        except Exception as e:  # TVM-FFI and the DSL raise many types; name the entry and the stage
+            shown = lib if lib is not None else obj
+            raise LoadError(
+                f"loading stage {stage!r} of cache entry {_entry_of(built)} from {shown.name} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    return funcs

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -336,14 +335,9 @@ def clean(arch: str | None) -> None:
     if arch is not None:
         get_arch(arch)  # refuse a typo instead of silently removing nothing
     cache = ArtifactCache()
-    n = cache.clean(arch)
-    derived = ""
-    if arch is None:  # not target-specific, and recomputed on the next build or load
-        shared = (paths.CACHE_SOURCES_SUBDIR, paths.CACHE_TEMPLATES_SUBDIR)
-        gone = [d for d in shared if (cache.root / d).is_dir()]
-        for d in gone:
-            shutil.rmtree(cache.root / d, ignore_errors=True)
-        derived = "".join(f" and {d}/" for d in gone)
+    cleaned = cache.clean(arch)
+    n = cleaned.entries
+    derived = "".join(f" and {d}/" for d in cleaned.derived)
     click.echo(
         f"removed {n} cache entr{'y' if n == 1 else 'ies'}{derived} from {cache.root}"
         + (f"/{arch}" if arch else "")

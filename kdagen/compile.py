@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -27,6 +28,36 @@ EXPORT_FUNCTION = "fn"
 
 def compile_options(arch: str) -> str:
     return f"--gpu-arch {arch} --enable-tvm-ffi"
+
+
+@functools.cache
+def layer_digest() -> str:
+    """sha256 of this module's source: the fake tensors, alignment, export name and link step it fixes shape
+    every binary, so the cache key carries it (`kdagen.keys`). Cached per process."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def find_c_compiler() -> str | None:
+    """The C compiler `link_shared` uses: ``$CC`` (default ``cc``), else ``gcc``; None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+@functools.cache
+def c_compiler_identity() -> str:
+    """``"<path> | <first line of --version>"`` of the C compiler that links the ``.so``, or ``"none"``.
+
+    Part of the cache key: a different linker may give a different shared library. Cached per process.
+    """
+    cc = find_c_compiler()
+    if cc is None:
+        return "none"
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        lines = (done.stdout or done.stderr).strip().splitlines()
+        version = lines[0].strip() if lines else "unknown version"
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown version"
+    return f"{os.path.realpath(cc)} | {version}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +149,7 @@ def link_shared(object_bytes: bytes) -> bytes | None:
     A shared library loads through TVM-FFI alone (a few ms); the object needs the DSL's JIT linker, whose
     import costs about a second. Undefined symbols resolve at load time against the DSL runtime library.
     """
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = find_c_compiler()
     if cc is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,13 +179,14 @@ def _runtime_library() -> Path | None:
 _preloaded: set[Path] = set()
 
 
-def load_object(path: Path):
-    """Load an exported stage (``.so`` fast path, else ``.o``); returns the raw ``tvm_ffi.Function``.
+def load_object(path: Path, shared: Path | None = None):
+    """Load an exported stage: its shared library `shared` where given (fast path), else the object `path`;
+    returns the raw ``tvm_ffi.Function``.
 
-    The function is positional-only and launches on TVM-FFI's environment stream.
+    Only the files named are read (callers pass paths whose digests the cache checked). The function is
+    positional-only and launches on TVM-FFI's environment stream.
     """
-    shared = path.with_suffix(".so")
-    runtime = _runtime_library() if shared.is_file() else None
+    runtime = _runtime_library() if shared is not None else None
     if runtime is not None:
         import tvm_ffi
 

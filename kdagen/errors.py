@@ -6,7 +6,15 @@ input also derive from `ValueError`, so code that already catches `ValueError` k
 
 from __future__ import annotations
 
-__all__ = ["KdagenError", "SpecError", "InputError", "CacheMissError", "BuildError"]
+__all__ = [
+    "KdagenError",
+    "SpecError",
+    "InputError",
+    "CacheMissError",
+    "CacheError",
+    "BuildError",
+    "LoadError",
+]
 
 
 class KdagenError(Exception):
@@ -35,5 +43,14 @@ class CacheMissError(KdagenError):
     """`KDAGEN_DISABLE_JIT=1` is set and the artifact is not in the cache; the message names the spec."""
 
 
+class CacheError(KdagenError):
+    """The artifact store cannot be written where it must be; the message names the path and the remedy."""
+
+
 class BuildError(KdagenError):
     """Compiling a stage failed."""
+
+
+class LoadError(BuildError):
+    """A cached stage whose digests checked out could not be loaded, even after one rebuild; the message
+    names the cache entry."""

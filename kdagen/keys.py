@@ -1,11 +1,15 @@
 """The binary cache key: what is hashed, and how it is explained.
 
-key = sha256 over the sha256 of four parts (design.md "Keys"), cut to 24 hex:
+key = sha256 over the sha256 of seven parts (design.md "Keys"), cut to 24 hex:
 
 - ``spec``: the canonical spec JSON;
 - ``sources``: the sha256 of every rendered stage file (so a template edit is a new key);
+- ``device_code``: the digest of `kdagen.kernels`, the shared device code the rendered stages import;
 - ``toolchain``: the CuTe DSL distributions, apache-tvm-ffi, and the libs flavour (cu12/cu13);
-- ``compile_options``: the options string given to ``cute.compile``.
+- ``compile_options``: the options string given to ``cute.compile``;
+- ``compile_layer``: the sha256 of ``kdagen/compile.py``, which fixes what the options string does not
+  (fake tensor strides and alignment, the export name, the link step);
+- ``c_compiler``: the C compiler that links the ``.so`` (path and ``--version`` line, or ``none``).
 
 Not the Python version: a TVM-FFI ``.o`` is a C-ABI object, and building on a CPU box for a GPU fleet is a
 use this project exists for. Nothing here imports cutlass: versions come from package metadata.
@@ -20,6 +24,8 @@ import re
 from functools import lru_cache
 from typing import Any
 
+from kdagen import compile as _compile  # no cutlass import: compile imports it lazily
+from kdagen.kernels import device_digest as _device_digest
 from kdagen.spec import KernelSpec
 
 __all__ = [
@@ -99,14 +105,26 @@ def cache_key(
     compile_options: str,
     *,
     toolchain: dict[str, Any] | None = None,
+    device_code: str | None = None,
+    compile_layer: str | None = None,
+    c_compiler: str | None = None,
 ) -> tuple[str, dict[str, dict[str, Any]]]:
     """(24-hex key, explained parts) for one variant.
 
     `rendered` maps file name -> rendered text (what `kdagen.render.render_variant` returns). The parts map
-    ``spec``, ``sources``, ``toolchain``, ``compile_options`` to ``{"value": ..., "sha256": ...}``; the key is
-    the sha256 of the JSON of ``{part: sha256}``. `toolchain` defaults to `toolchain_fingerprint()`.
+    ``spec``, ``sources``, ``device_code``, ``toolchain``, ``compile_options``, ``compile_layer`` and
+    ``c_compiler`` to ``{"value": ..., "sha256": ...}``; the key is the sha256 of the JSON of
+    ``{part: sha256}``. The keyword parts default to this process's values (`key_from_digests`).
     """
-    return key_from_digests(spec, source_digests(rendered), compile_options, toolchain=toolchain)
+    return key_from_digests(
+        spec,
+        source_digests(rendered),
+        compile_options,
+        toolchain=toolchain,
+        device_code=device_code,
+        compile_layer=compile_layer,
+        c_compiler=c_compiler,
+    )
 
 
 def key_from_digests(
@@ -115,14 +133,24 @@ def key_from_digests(
     compile_options: str,
     *,
     toolchain: dict[str, Any] | None = None,
+    device_code: str | None = None,
+    compile_layer: str | None = None,
+    c_compiler: str | None = None,
 ) -> tuple[str, dict[str, dict[str, Any]]]:
-    """`cache_key` from the sha256 of each rendered file (`source_digests`) instead of the texts."""
+    """`cache_key` from the sha256 of each rendered file (`source_digests`) instead of the texts.
+
+    The keyword parts default to this process's values: `toolchain_fingerprint()`,
+    `kdagen.kernels.device_digest()`, `kdagen.compile.layer_digest()` and `c_compiler_identity()`.
+    """
     tc = toolchain_fingerprint() if toolchain is None else toolchain
     values: dict[str, Any] = {
         "spec": spec.canonical_json(),
         "sources": dict(sorted(digests.items())),
+        "device_code": device_code if device_code is not None else _device_digest(),
         "toolchain": dict(sorted(tc.items())),
         "compile_options": compile_options,
+        "compile_layer": compile_layer if compile_layer is not None else _compile.layer_digest(),
+        "c_compiler": c_compiler if c_compiler is not None else _compile.c_compiler_identity(),
     }
     parts = {
         name: {"value": value, "sha256": sha256_text(value if isinstance(value, str) else _canon(value))}

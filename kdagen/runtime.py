@@ -12,6 +12,13 @@ Contract (what is validated, what is the caller's duty):
   makes) and computes the clamped offsets; decreasing values give unspecified results.
   Tokens past cu_seqlens[-1] get o = 0.
 - initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
+- A_log: fp32 [HV]; dt_bias: fp32, exactly [HV * K] (as FLA takes it) or [HV, K]; no other shape with as many
+  elements is accepted. H >= 1.
+- scale: None (K ** -0.5) or a finite real number > 0 (a Python or NumPy scalar, not a tensor or a bool).
+- The kernels are forward-only: with torch grad mode enabled, an input that requires grad is refused (the
+  backward is not available); run under `torch.no_grad()` / `torch.inference_mode()` or detach the inputs.
+- Sizes must fit the kernels' 32-bit index arithmetic: B*T*H*K (q, k), B*T*HV*K (g and the per-token
+  workspace rows), B*T*HV*V (v, o) and N*HV*K*V (the states) are each at most 2**31 - 1 elements.
 - No host-device synchronisation, so a call can be captured in a CUDA graph.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +78,7 @@ _MAX_SIGNATURES = 256
 
 
 def _props(t: Any) -> tuple | None:
-    return None if t is None else (type(t), t.shape, t.dtype, t.device)
+    return None if t is None else (type(t), t.shape, t.dtype, t.device, t.requires_grad)
 
 
 def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any, initial_state: Any,
@@ -83,7 +91,7 @@ def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: A
         if cu is not None and cu[3].type == "cpu":
             return None
         return (_props(q), _props(k), _props(v), _props(g), _props(beta), _props(A_log), _props(dt_bias),
-                _props(initial_state), cu)
+                _props(initial_state), cu, torch.is_grad_enabled())
     except AttributeError:
         return None
 
@@ -105,6 +113,128 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = Non
             int(vals[-1]) <= total_tokens,
             lambda: f"cu_seqlens: last value {int(vals[-1])} exceeds the {total_tokens} tokens of q",
         )
+
+
+INT32_MAX = 2**31 - 1  # the kernels index tensors with 32-bit products of their (symbolic int32) dims
+
+
+def state_shape(spec: KernelSpec, n: int, hv: int) -> tuple[int, int, int, int]:
+    """The shape of the initial/final state of `n` sequences with `hv` value heads, in the spec's layout."""
+    k, v = spec.head_dim_k, spec.head_dim_v
+    return (n, hv, k, v) if spec.state_layout == "kv" else (n, hv, v, k)
+
+
+def check_scale(scale: Any, head_dim_k: int) -> float:
+    """`scale` as a float: None gives K ** -0.5; else a finite real number > 0 (InputError otherwise)."""
+    if scale is None:
+        return head_dim_k ** -0.5
+    _need(isinstance(scale, numbers.Real) and not isinstance(scale, bool),
+          lambda: f"scale: expected a finite real number > 0 or None, got {type(scale).__name__} {scale!r}")
+    value = float(scale)
+    _need(math.isfinite(value) and value > 0,
+          lambda: f"scale: expected a finite real number > 0 or None, got {value!r}")
+    return value
+
+
+def _check_fits_int32(name: str, dims: dict[str, int]) -> None:
+    n = math.prod(dims.values())
+    _need(n <= INT32_MAX, lambda: (
+        f"{name}: {'*'.join(dims)} = {'*'.join(map(str, dims.values()))} = {n} elements exceed the kernels' "
+        f"32-bit index limit of 2**31 - 1 = {INT32_MAX}; split the call into smaller batches"
+    ))
+
+
+def _check_no_grad(tensors: dict[str, Any]) -> None:
+    if not torch.is_grad_enabled():
+        return
+    wanting = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    _need(not wanting, lambda: (
+        f"{', '.join(wanting)}: requires grad, but the kernel is forward-only (the backward is not "
+        "available); call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
+    ))
+
+
+def validate_inputs(
+    spec: KernelSpec,
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    A_log: Any = None,
+    dt_bias: Any = None,
+    initial_state: Any = None,
+    cu_seqlens: Any = None,
+    *,
+    require_cuda: bool = True,
+) -> tuple[int, int, int, int, int]:
+    """Every check of a call's tensor arguments for `spec` (InputError naming the argument and what was
+    expected); returns (B, T, H, HV, N). Nothing here needs a GPU; `require_cuda=False` leaves out the check
+    that q is a CUDA tensor, so the other checks can be run on CPU or meta tensors."""
+    kdim, vdim = spec.head_dim_k, spec.head_dim_v
+    dt = _TORCH_DTYPE[spec.dtype]
+    # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
+    _need(isinstance(q, torch.Tensor), lambda: f"q: expected a torch.Tensor, got {type(q).__name__}")
+    _need(q.dim() == 4, lambda: f"q: expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+    device = q.device
+    if require_cuda:
+        _need(device.type == "cuda", lambda: f"q: expected a CUDA tensor, got device {device}")
+    bsz, seqlen, nh, kq = q.shape
+    _need(nh >= 1, lambda: f"q: expected at least one head (H >= 1 in [B, T, H, K]), got {list(q.shape)}")
+    _need(kq == kdim, lambda: f"q: expected head dim K={kdim} (the spec's head_dim_k), got {kq}")
+    _need(q.dtype == dt, lambda: f"q: expected dtype {dt} (the spec's dtype {spec.dtype}), got {q.dtype}")
+    _check_tensor("k", k, dt, (bsz, seqlen, nh, kdim), device)
+    _need(isinstance(v, torch.Tensor) and v.dim() == 4,
+          lambda: f"v: expected 4 dims [B, T, HV, V], got {getattr(v, 'shape', v)}")
+    hv = v.shape[2]
+    _need(hv % nh == 0 and hv // nh == spec.gva_ratio,
+          lambda: f"v: expected HV = gva_ratio * H = {spec.gva_ratio} * {nh} = {spec.gva_ratio * nh} "
+          f"value heads (HV must be a multiple of H), got HV={hv}")
+    _check_tensor("v", v, dt, (bsz, seqlen, hv, vdim), device)
+    _check_tensor("g", g, _TORCH_DTYPE[spec.g_dtype], (bsz, seqlen, hv, kdim), device)
+    _check_tensor("beta", beta, _TORCH_DTYPE[spec.beta_dtype], (bsz, seqlen, hv), device)
+
+    total = bsz * seqlen
+    if cu_seqlens is None:
+        nseq = bsz
+    else:
+        _need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1,
+              "cu_seqlens: expected a 1-D tensor [N+1]")
+        _need(cu_seqlens.dtype in (torch.int32, torch.int64),
+              lambda: f"cu_seqlens: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+        _need(cu_seqlens.device == device or cu_seqlens.device.type == "cpu",
+              lambda: f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
+        _need(bsz == 1, lambda: f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
+        _need(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
+        if cu_seqlens.device.type == "cpu":
+            validate_cu_seqlens(cu_seqlens, total)
+        nseq = cu_seqlens.numel() - 1
+
+    if spec.gate == "softplus":
+        _need(A_log is not None, "A_log: required by the softplus gate (gate: softplus in the spec)")
+    if spec.gate != "precomputed":
+        if A_log is not None:
+            _check_tensor("A_log", A_log, torch.float32, (hv,), device)
+        if dt_bias is not None:
+            _need(isinstance(dt_bias, torch.Tensor) and tuple(dt_bias.shape) in ((hv * kdim,), (hv, kdim)),
+                  lambda: f"dt_bias: expected shape [HV*K] = [{hv * kdim}] or [HV, K] = [{hv}, {kdim}], got "
+                  f"{list(getattr(dt_bias, 'shape', [type(dt_bias).__name__]))}")
+            _check_tensor("dt_bias", dt_bias, torch.float32, tuple(dt_bias.shape), device)
+    else:
+        _need(A_log is None and dt_bias is None,
+              "A_log/dt_bias: given, but the spec's gate is 'precomputed' (g is already the log-decay)")
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, torch.float32, state_shape(spec, nseq, hv), device)
+
+    # ---- sizes the kernels' 32-bit index arithmetic can address ----
+    _check_fits_int32("q/k", {"B": bsz, "T": seqlen, "H": nh, "K": kdim})
+    _check_fits_int32("g", {"B": bsz, "T": seqlen, "HV": hv, "K": kdim})
+    _check_fits_int32("v/o", {"B": bsz, "T": seqlen, "HV": hv, "V": vdim})
+    _check_fits_int32("state", {"N": nseq, "HV": hv, "K": kdim, "V": vdim})
+
+    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                    "initial_state": initial_state})
+    return bsz, seqlen, nh, hv, nseq
 
 
 class KDAKernel:
@@ -141,8 +271,7 @@ class KDAKernel:
         return f"KDAKernel({self.name or self.spec.slug()}, family={self.plan.family})"
 
     def _state_shape(self, n: int, hv: int) -> tuple[int, int, int, int]:
-        k, v = self.spec.head_dim_k, self.spec.head_dim_v
-        return (n, hv, k, v) if self.spec.state_layout == "kv" else (n, hv, v, k)
+        return state_shape(self.spec, n, hv)
 
     def cp_segment_len(
         self, num_seqs: int, total_tokens: int, num_v_heads: int, device: torch.device | None = None
@@ -264,60 +393,7 @@ class KDAKernel:
         cu_seqlens: Any,
     ) -> tuple[int, int, int, int, int]:
         """Every check of a call's arguments (InputError naming the argument); returns (B, T, H, HV, N)."""
-        spec = self.spec
-        kdim, vdim = spec.head_dim_k, spec.head_dim_v
-        dt = _TORCH_DTYPE[spec.dtype]
-        # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
-        _need(isinstance(q, torch.Tensor), lambda: f"q: expected a torch.Tensor, got {type(q).__name__}")
-        _need(q.dim() == 4, lambda: f"q: expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
-        device = q.device
-        _need(device.type == "cuda", lambda: f"q: expected a CUDA tensor, got device {device}")
-        bsz, seqlen, nh, kq = q.shape
-        _need(kq == kdim, lambda: f"q: expected head dim K={kdim} (the spec's head_dim_k), got {kq}")
-        _need(q.dtype == dt, lambda: f"q: expected dtype {dt} (the spec's dtype {spec.dtype}), got {q.dtype}")
-        _check_tensor("k", k, dt, (bsz, seqlen, nh, kdim), device)
-        _need(isinstance(v, torch.Tensor) and v.dim() == 4,
-              lambda: f"v: expected 4 dims [B, T, HV, V], got {getattr(v, 'shape', v)}")
-        hv = v.shape[2]
-        _need(hv % nh == 0 and hv // nh == spec.gva_ratio,
-              lambda: f"v: expected HV = gva_ratio * H = {spec.gva_ratio} * {nh} = {spec.gva_ratio * nh} "
-              f"value heads (HV must be a multiple of H), got HV={hv}")
-        _check_tensor("v", v, dt, (bsz, seqlen, hv, vdim), device)
-        _check_tensor("g", g, _TORCH_DTYPE[spec.g_dtype], (bsz, seqlen, hv, kdim), device)
-        _check_tensor("beta", beta, _TORCH_DTYPE[spec.beta_dtype], (bsz, seqlen, hv), device)
-
-        total = bsz * seqlen
-        if cu_seqlens is None:
-            nseq = bsz
-        else:
-            _need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1,
-                  "cu_seqlens: expected a 1-D tensor [N+1]")
-            _need(cu_seqlens.dtype in (torch.int32, torch.int64),
-                  lambda: f"cu_seqlens: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
-            _need(cu_seqlens.device == device or cu_seqlens.device.type == "cpu",
-                  lambda: f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
-            _need(bsz == 1, lambda: f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
-            _need(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
-            if cu_seqlens.device.type == "cpu":
-                validate_cu_seqlens(cu_seqlens, total)
-            nseq = cu_seqlens.numel() - 1
-
-        if spec.gate == "softplus":
-            _need(A_log is not None, "A_log: required by the softplus gate (gate: softplus in the spec)")
-        if spec.gate != "precomputed":
-            if A_log is not None:
-                _check_tensor("A_log", A_log, torch.float32, (hv,), device)
-            if dt_bias is not None:
-                _need(isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == hv * kdim,
-                      lambda: f"dt_bias: expected {hv * kdim} elements ([HV*K] or [HV, K]), got "
-                      f"{list(getattr(dt_bias, 'shape', []))}")
-                _check_tensor("dt_bias", dt_bias, torch.float32, tuple(dt_bias.shape), device)
-        else:
-            _need(A_log is None and dt_bias is None,
-                  "A_log/dt_bias: given, but the spec's gate is 'precomputed' (g is already the log-decay)")
-        if initial_state is not None:
-            _check_tensor("initial_state", initial_state, torch.float32, self._state_shape(nseq, hv), device)
-        return bsz, seqlen, nh, hv, nseq
+        return validate_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
 
     def __call__(
         self,
@@ -352,8 +428,7 @@ class KDAKernel:
         bsz, seqlen, nh, hv, nseq = sizes
         total = bsz * seqlen
         device = q.device
-        if scale is None:
-            scale = kdim ** -0.5
+        scale = check_scale(scale, kdim)
 
         # ---- nothing to launch for empty inputs ----
         if total == 0 or nseq == 0:

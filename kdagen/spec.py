@@ -329,8 +329,10 @@ def load_spec_file(path: str | os.PathLike[str]) -> dict[str, KernelSpec]:
 
     A variant is a mapping with ``name:`` and field overrides, or a ``matrix:`` mapping of field -> list of
     values that expands to the cross product (later fields vary fastest), its ``name:`` a format string over
-    the fields, e.g. ``"k{head_dim_k}-gva{gva_ratio}"``. Every variant is validated, capabilities included;
-    all problems of the file are reported together in one `SpecError`.
+    the fields, e.g. ``"k{head_dim_k}-gva{gva_ratio}"``: plain field names only (no ``{f.attr}`` or
+    ``{f[i]}``), filled from every field's value, defaults included. A key given twice in one mapping is an
+    error. Every variant is validated, capabilities included; all problems of the file are reported together
+    in one `SpecError`.
     """
     shown = str(path)
     p = paths.find_spec_file(path)
@@ -344,9 +346,60 @@ def load_spec_file(path: str | os.PathLike[str]) -> dict[str, KernelSpec]:
     return dict(_FILE_CACHE[ck])
 
 
-def _load(p: Path, shown: str) -> dict[str, KernelSpec]:
+class _DuplicateKeyError(yaml.YAMLError):
+    """A key that a YAML mapping holds twice (the plain SafeLoader keeps the last one silently)."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a mapping key given twice, naming the key and both lines.
+
+    Keys brought in by a merge (``<<: *anchor``) may be overridden by the mapping's own keys, as YAML says.
+    """
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: the base class reports it
+                if first is not None:
+                    raise _DuplicateKeyError(key, line, first)
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_text(p: Path, shown: str) -> str:
+    """The file's text; a directory, an unreadable file or bytes that are not UTF-8 are `SpecError`s."""
+    if p.is_dir():
+        raise SpecError(f"{shown}: is a directory, expected a YAML spec file")
     try:
-        doc = yaml.safe_load(p.read_text())
+        data = p.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{shown}: cannot read the spec file: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            f"{shown}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "save the spec file as UTF-8"
+        ) from None
+
+
+def _load(p: Path, shown: str) -> dict[str, KernelSpec]:
+    text = _read_text(p, shown)
+    try:
+        doc = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKeyError as e:
+        raise SpecError(f"{shown}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{shown}: invalid YAML: {e}") from None
     if not isinstance(doc, dict):
@@ -434,7 +487,7 @@ def _expand(item: Any, defaults: dict[str, Any], shown: str, i: int) -> list[tup
     fmt = item["name"]
     if not isinstance(fmt, str):
         raise SpecError(f"{shown}: variant #{i} (matrix): name: expected a format string, got {_kind(fmt)}")
-    placeholders = {f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None}
+    placeholders = _name_fields(fmt, shown, i)
     if not placeholders & set(matrix):
         raise SpecError(
             f"{shown}: variant #{i} (matrix): name {fmt!r}: must use a matrix field such as "
@@ -443,12 +496,37 @@ def _expand(item: Any, defaults: dict[str, Any], shown: str, i: int) -> list[tup
     out = []
     for combo in product(*matrix.values()):
         fields = {**defaults, **fixed, **dict(zip(matrix, combo))}
+        # Every field's value, the model's defaults included, so a name may show a field the file leaves out.
+        values = {f: info.default for f, info in KernelSpec.model_fields.items() if not info.is_required()}
         try:
-            name = fmt.format_map(fields)
-        except (KeyError, IndexError, ValueError) as e:
+            name = fmt.format_map({**values, **fields})
+        except (KeyError, IndexError, ValueError, TypeError) as e:
             raise SpecError(f"{shown}: variant #{i} (matrix): name {fmt!r}: bad placeholder {e}") from None
         out.append((_check_name(name, shown, i), fields))
     return out
+
+
+def _name_fields(fmt: str, shown: str, i: int) -> set[str]:
+    """The field names a matrix name template uses; each placeholder must be a plain field name."""
+    where = f"{shown}: variant #{i} (matrix): name {fmt!r}"
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}") from None
+    names: set[str] = set()
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        if not field.isidentifier():
+            shown_field = "{}" if field == "" else field
+            raise SpecError(
+                f"{where}: placeholder {shown_field!r}: expected a plain field name such as '{{gva_ratio}}' "
+                "(attribute and index forms are not supported)"
+            )
+        if field not in KernelSpec.model_fields:
+            raise SpecError(f"{where}: bad placeholder {field!r} (not a spec field){_did_you_mean(field)}")
+        names.add(field)
+    return names
 
 
 # -- resolving what users pass ----------------------------------------------------------------------------

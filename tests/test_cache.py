@@ -101,13 +101,13 @@ def test_entries_and_clean(tmp_path: Path):
     entries = cache.entries()
     assert [(e.arch, e.complete) for e in entries] == [("sm_80", True), ("sm_80", False), ("sm_90a", True)]
     assert entries[0].key == KEY and entries[0].bytes > sum(map(len, ARTIFACTS.values()))
-    assert cache.clean("sm_80") == 2
+    assert cache.clean("sm_80").entries == 2
     assert not (tmp_path / "sm_80").exists()
     assert cache.lookup(SPEC, KEY, STAGES) is not None
-    assert cache.clean() == 1
+    assert cache.clean().entries == 1
     assert (tmp_path / "sm_90a" / "not-an-entry").is_dir()  # only entry-shaped directories are deleted
     assert (tmp_path / "unrelated.txt").read_text() == "keep me\n"
-    assert ArtifactCache(tmp_path / "nowhere").clean() == 0
+    assert ArtifactCache(tmp_path / "nowhere").clean().entries == 0
 
 
 # -- concurrency --------------------------------------------------------------------------------------------

@@ -422,7 +422,9 @@ def test_key_depends_on_sources_options_toolchain():
 
 def test_key_explain_parts():
     key, parts = keys.cache_key(BASE, RENDERED, OPTIONS, toolchain=TOOLCHAIN)
-    assert list(parts) == ["spec", "sources", "toolchain", "compile_options"]
+    assert list(parts) == [
+        "spec", "sources", "device_code", "toolchain", "compile_options", "compile_layer", "c_compiler",
+    ]
     assert parts["spec"]["value"] == BASE.canonical_json()
     assert parts["spec"]["sha256"] == BASE.digest()
     assert parts["sources"]["value"] == {
