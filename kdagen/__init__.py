@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from kdagen.errors import BuildError, CacheMissError, InputError, KdagenError, SpecError  # noqa: E402
-from kdagen.spec import KernelSpec, load_spec_file, resolve_spec  # noqa: E402
+from kdagen.errors import BuildError, CacheMissError, InputError, KdagenError, SpecError
+from kdagen.spec import KernelSpec, load_spec_file, resolve_spec
+from kdagen.version import __version__
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel

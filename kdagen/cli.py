@@ -1,7 +1,7 @@
 """The ``kdagen`` command: build / render / check / list / key / clean / bench.
 
 Thin by design: each command parses arguments, calls the library and prints. Anything worth doing from
-Python is in the library (`kdagen.build`, `kdagen.render`, `kdagen.cache`, `kdagen.spec`).
+Python is in the library (`kdagen.build`, `kdagen.tree`, `kdagen.cache`, `kdagen.spec`).
 
 SPEC arguments accept ``file.yaml`` (every variant, or those named by ``--variant``) and ``file.yaml:name``.
 """
@@ -32,10 +32,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kdagen import __version__, paths
+from kdagen import paths
 from kdagen.arch import get_arch
 from kdagen.errors import KdagenError, SpecError
 from kdagen.spec import KernelSpec, load_spec_file, parse_spec_ref, resolve_spec
+from kdagen.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -211,17 +212,17 @@ def build(specfiles: tuple[str, ...], variants: tuple[str, ...], jobs: int, forc
 @_errors
 def render(specfiles: tuple[str, ...], variants: tuple[str, ...], prune: bool) -> None:
     """Render variants into generated/ (default: every spec file under specs/)."""
-    from kdagen import render as r
+    from kdagen import tree
 
     if prune and (specfiles or variants):
         raise click.UsageError("--prune renders every spec under specs/; give no SPECFILE and no --variant")
     files = _default_spec_files() if not specfiles else list(specfiles)
     console = _console()
     for path, name, spec in _select(files, variants):
-        written = r.write_variant(spec, r.default_planner()(spec))
-        console.print(f"{path}:{name} -> {_rel(r.generated_dir_for(spec))}/ ({', '.join(written)})")
+        written = tree.write_variant(spec, tree.default_planner()(spec))
+        console.print(f"{path}:{name} -> {_rel(tree.generated_dir_for(spec))}/ ({', '.join(written)})")
     if prune:
-        for removed in r.prune_tree(files):
+        for removed in tree.prune_tree(files):
             console.print(f"removed {_rel(removed)}")
 
 
@@ -243,7 +244,7 @@ def _rel(p: Path) -> str:
 @_errors
 def check(specdir: Path | None, generated: Path | None) -> None:
     """Fail when generated/ differs from what the specs render to now (stale, missing or extra files)."""
-    from kdagen.render import check_tree
+    from kdagen.tree import check_tree
 
     files = [_rel(f) for f in _spec_files([specdir])] if specdir is not None else _default_spec_files()
     if not files:

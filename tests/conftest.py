@@ -69,12 +69,13 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, P
 
 @pytest.fixture
 def use_fakes(monkeypatch: pytest.MonkeyPatch, fixture_templates: Path) -> None:
-    """Make kdagen.render (and the CLI through it) use the fixture templates and the fake planner."""
+    """Make kdagen.render and kdagen.tree (and the CLI through them) use the fixture templates and the fake
+    planner."""
     import kdagen.paths
-    import kdagen.render
+    import kdagen.tree
 
     monkeypatch.setattr(kdagen.paths, "templates_dir", lambda: fixture_templates)
-    monkeypatch.setattr(kdagen.render, "default_planner", lambda: fake_plan)
+    monkeypatch.setattr(kdagen.tree, "default_planner", lambda: fake_plan)
 
 
 def write_spec_file(path: Path, text: str) -> Path:
