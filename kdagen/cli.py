@@ -293,7 +293,7 @@ def list_(specfiles: tuple[str, ...]) -> None:
             family, reason = plan.family, plan.reason
         except Exception as e:  # a broken template must not hide the other rows
             family, reason, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"
-        table.add_row(f"{path}:{name}", spec.arch, family, reason, ", ".join(stages), info.run_here, cached)
+        table.add_row(f"{path}:{name}", spec.arch, family, reason, ", ".join(stages), info.runs, cached)
     console = _console()
     console.print(table)
     console.print(f"cache: {cache.root}")

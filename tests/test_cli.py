@@ -76,7 +76,7 @@ def test_list(workdir: Path):
     assert r.exit_code == 0, r.output
     rows = _rows(r.output)
     assert set(rows) == {"specs/sm100.yaml:b200", "specs/sm90.yaml:k128", "specs/sm90.yaml:k128-gva2"}
-    assert "compile-only: no Blackwell GPU" in rows["specs/sm100.yaml:b200"]
+    assert "no: compiled and inspected here, never run (no B200 GPU)" in rows["specs/sm100.yaml:b200"]
     assert "yes: H100/H200" in rows["specs/sm90.yaml:k128"]
     assert "fixture planner for sm_90a" in rows["specs/sm90.yaml:k128"]
     assert "alpha, beta" in rows["specs/sm90.yaml:k128"]
