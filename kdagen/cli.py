@@ -270,33 +270,52 @@ def _describe(spec: KernelSpec) -> tuple[Any, str | None, dict[str, Any] | None]
     return plan, key, parts
 
 
+def _why(ref: str, spec: KernelSpec, plan: Any) -> list[str]:
+    """The long explanation of one variant for ``kdagen list --why``: the plan's full reason, each stage's
+    note, and where the variant runs."""
+    lines = [f"{ref}  ({spec.slug()})", f"  family: {plan.family}", "  reason:"]
+    lines += [f"    {line}" for line in plan.reason.splitlines()]
+    lines.append("  stages:")
+    for stage in plan.stages:
+        built = "" if getattr(stage, "compiled", True) else ", imported by another stage, not compiled alone"
+        note = getattr(stage, "note", "")
+        lines.append(f"    {stage.name} ({stage.template}{built})" + (f": {note}" if note else ""))
+    lines.append(f"  runs: {spec.arch_info.runs}")
+    return lines
+
+
 @cli.command(name="list")
 @click.argument("specfiles", nargs=-1)
+@click.option("--why", is_flag=True, help="Also print each plan's full reason and what each stage does.")
 @_errors
-def list_(specfiles: tuple[str, ...]) -> None:
-    """Show variants: target, family and why, stages, where they run, and whether they are cached."""
+def list_(specfiles: tuple[str, ...], why: bool) -> None:
+    """Show variants: target, family, why in a line, stages, where they run, and whether they are cached."""
+    from kdagen.build import lookup_built
     from kdagen.cache import ArtifactCache
 
     files = _default_spec_files() if not specfiles else list(specfiles)
     cache = ArtifactCache()
     table = Table(title="kdagen variants")
-    for col in ("variant", "arch", "family", "reason", "stages", "runs", "cached"):
+    for col in ("variant", "arch", "family", "why", "stages", "runs", "cached"):
         table.add_column(col, overflow="fold")
+    explained: list[str] = []
     for path, name, spec in _select(files, ()):
-        info = get_arch(spec.arch)
+        ref = f"{path}:{name}"
         try:
             plan, key, _ = _describe(spec)
-            stages = plan.stage_names if hasattr(plan, "stage_names") else [s.name for s in plan.stages]
-            from kdagen.build import lookup_built
-
+            stages = plan.stage_names
             cached = "yes" if lookup_built(cache, spec, key, list(stages)) is not None else "no"
-            family, reason = plan.family, plan.reason
+            family, summary = plan.family, plan.summary
+            if why:
+                explained += ["", *_why(ref, spec, plan)]
         except Exception as e:  # a broken template must not hide the other rows
-            family, reason, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"
-        table.add_row(f"{path}:{name}", spec.arch, family, reason, ", ".join(stages), info.runs, cached)
+            family, summary, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"
+        table.add_row(ref, spec.arch, family, summary, ", ".join(stages), spec.arch_info.runs, cached)
     console = _console()
     console.print(table)
     console.print(f"cache: {cache.root}")
+    for line in explained:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @cli.command()

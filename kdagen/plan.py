@@ -68,13 +68,15 @@ class StagePlan:
     # False: a module other stages import (its kernels are compiled into theirs); rendered and checked like
     # every stage, but neither compiled on its own nor loaded by the runtime.
     compiled: bool = True
+    note: str = ""  # what the stage does and its layout, in a line (`kdagen list --why`; not rendered)
 
 
 @dataclass(frozen=True)
 class Plan:
     family: str
-    reason: str
+    reason: str  # why this family and which kernels, in full (every rendered file's header)
     stages: tuple[StagePlan, ...]
+    summary: str = ""  # the reason in a few words (`kdagen list`; not rendered)
 
     @property
     def stage_names(self) -> list[str]:
@@ -89,20 +91,27 @@ _AUTO_REASONS = {
     ("sm_90a", "wgmma"): "Hopper: the recurrence on warpgroup MMA fed by TMA from a producer warp (0.57 vs "
     "0.72 us per step for mma_sync on an H100); prepare and the intra-card CP stages are the mma_sync ones",
 }
+_AUTO_SUMMARIES = {("sm_90a", "wgmma"): "the faster recurrence on Hopper"}
 
 
-def _auto_reason(arch: str, family: str) -> str:
+def _auto_reason(arch: str, family: str) -> tuple[str, str]:
+    """(reason, summary) of `auto`'s choice of `family` for `arch`."""
     only = f"portable warp-MMA family: the only family implemented for {arch}"
-    return _AUTO_REASONS.get((arch, family), only)
+    summary = _AUTO_SUMMARIES.get((arch, family), f"the only family for {arch}")
+    return _AUTO_REASONS.get((arch, family), only), summary
 
 
-def _choose_family(spec: KernelSpec) -> tuple[str, str]:
-    """The spec's family, or for `auto` the target's preferred one (validation has already checked that the
-    families it lists can build the spec: they share chunk sizes and head dims)."""
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _choose_family(spec: KernelSpec) -> tuple[str, str, str]:
+    """(family, reason, summary): the spec's family, or for `auto` the target's preferred one (validation has
+    already checked that the families it lists can build the spec)."""
     if spec.family != "auto":
-        return spec.family, f"requested in the spec ({spec.family})"
+        return spec.family, f"requested in the spec ({spec.family})", "requested in the spec"
     family = spec.arch_info.families[0]
-    return family, _auto_reason(spec.arch, family)
+    return family, *_auto_reason(spec.arch, family)
 
 
 def _common_params(spec: KernelSpec) -> dict[str, Any]:
@@ -233,14 +242,16 @@ def _merge_params(spec: KernelSpec) -> dict:
 
 
 def make_plan(spec: KernelSpec) -> Plan:
-    family, reason = _choose_family(spec)
+    family, reason, summary = _choose_family(spec)
     fused = _has_fused(family, spec)
     pair_warps = _pair_prep_warps(spec) if fused else None
     pair = pair_warps is not None
     if fused:
         reason += "; with a fused prepare + recurrence kernel, run when the chains fill the SMs (setup picks)"
+        summary += "; fused kernel when the chains fill the SMs"
     if pair:
         reason += ", in CTA pairs when they fill half"
+        summary += ", CTA pairs at half"
     common = _common_params(spec)
     heads, ctas = _prepare_layout(spec)
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
@@ -286,6 +297,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             # With a fused kernel, forward's prepare exits at once when the setup kernel chose it.
             "fused": fused,
         },
+        note=f"chunk-parallel, {CHUNK}-token steps: {_count(heads, 'value head')} a CTA (a warp each), "
+        f"{_count(ctas, 'CTA')} an SM" + (f" alone, {beside} beside the recurrence" if pdl else ""),
     )
     block_v = min(BLOCK_V, spec.head_dim_v)
     rec_params = {
@@ -302,7 +315,14 @@ def make_plan(spec: KernelSpec) -> Plan:
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
     # The recurrence is compiled into `forward` (below), not launched on its own.
-    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params, compiled=False)
+    recurrence = StagePlan(
+        "recurrence",
+        f"{family}/recurrence.py.j2",
+        seq_params,
+        compiled=False,
+        note=f"the serial chain per (sequence, head): {block_v} value rows a CTA, "
+        f"a {seq_params['stages']}-stage load pipeline",
+    )
     # The whole-sequence path in one host call: the ready flags zeroed and, when the runtime asks for it
     # (KDAKernel._by_length), the sequences ranked longest first; then prepare and the recurrence beside it.
     forward = StagePlan(
@@ -323,6 +343,9 @@ def make_plan(spec: KernelSpec) -> Plan:
             "fused_pair_step": FUSED_PAIR_STEP,
             "fused_pair_margin": FUSED_PAIR_MARGIN,
         },
+        note="the entry point: a setup kernel (ready flags, sequence order, path choice), then prepare and "
+        + ("the recurrence beside it" if pdl else "the recurrence after it")
+        + (", or the fused kernel" if fused else ""),
     )
     # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).
     fused_stage = StagePlan(
@@ -339,6 +362,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "pair": False,
         },
         compiled=False,
+        note=f"prepare and the recurrence in one persistent kernel: {FUSED_PREP_WARPS} prepare warps, "
+        f"{FUSED_STAGES} ring stages",
     )
     # Its pair form (a CTA cluster a chain), compiled into `forward` too where the variant has it.
     pair_stage = StagePlan(
@@ -346,12 +371,25 @@ def make_plan(spec: KernelSpec) -> Plan:
         "wgmma/fused.py.j2",
         {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps},
         compiled=False,
+        note=f"the fused kernel with a CTA pair a chain: {pair_warps} prepare warps a CTA, "
+        f"{FUSED_PAIR_STAGES} ring stages",
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass (after prepare).
-    prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
-    merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
-    segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
+    prescan = StagePlan(
+        "cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"},
+        note="intra-card CP: each segment's affine state map",
+    )
+    merge_params = _merge_params(spec)
+    merge = StagePlan(
+        "cp_merge", f"{shared}/cp_merge.py.j2", merge_params,
+        note=f"intra-card CP: the maps combined in order, {_count(merge_params['stages'], 'map buffer')} in "
+        "shared memory",
+    )
+    segments = StagePlan(
+        "cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"},
+        note="intra-card CP: each segment's pass from its merged initial state",
+    )
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments)
-    return Plan(family=family, reason=reason, stages=stages)
+    return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -20,6 +20,7 @@ class FakeStage:
     name: str
     template: str
     params: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class FakePlan:
     family: str
     reason: str
     stages: tuple[FakeStage, ...]
+    summary: str = ""
 
     @property
     def stage_names(self) -> list[str]:
@@ -40,9 +42,10 @@ def fake_plan(spec: Any) -> FakePlan:
         family="fake",
         reason=f"fixture planner for {spec.arch}\nsecond line of the reason",
         stages=(
-            FakeStage("alpha", "fake/stage.py.j2", dict(params)),
-            FakeStage("beta", "fake/stage.py.j2", {**params, "extra": 1}),
+            FakeStage("alpha", "fake/stage.py.j2", dict(params), note="the alpha stage"),
+            FakeStage("beta", "fake/stage.py.j2", {**params, "extra": 1}, note="the beta stage"),
         ),
+        summary=f"fixture summary for {spec.arch}",
     )
 
 
