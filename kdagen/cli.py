@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.table import Table
 
 from kdagen import paths
-from kdagen.arch import get_arch
+from kdagen.arch import FAMILIES, get_arch
 from kdagen.errors import KdagenError, SpecError
 from kdagen.spec import KernelSpec, load_spec_file, parse_spec_ref, resolve_spec
 from kdagen.version import __version__
@@ -273,7 +273,9 @@ def _describe(spec: KernelSpec) -> tuple[Any, str | None, dict[str, Any] | None]
 def _why(ref: str, spec: KernelSpec, plan: Any) -> list[str]:
     """The long explanation of one variant for ``kdagen list --why``: the plan's full reason, each stage's
     note, and where the variant runs."""
-    lines = [f"{ref}  ({spec.slug()})", f"  family: {plan.family}", "  reason:"]
+    fam = FAMILIES.get(plan.family)
+    lines = [f"{ref}  ({spec.slug()})", f"  family: {plan.family}" + (f" ({fam.description})" if fam else "")]
+    lines.append("  reason:")
     lines += [f"    {line}" for line in plan.reason.splitlines()]
     lines.append("  stages:")
     for stage in plan.stages:

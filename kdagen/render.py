@@ -74,11 +74,12 @@ class _TrackingLoader(jinja2.FileSystemLoader):
 class _CompiledTemplates(jinja2.BytecodeCache):
     """Compiled templates, kept in memory for the process and on disk under the cache directory.
 
-    Rendering compiles every template it touches (``cache_size=0``, see `_TrackingLoader`), and compiling was
-    most of the time a first `get_kernel` took in a process (the cache key needs the rendered sources). The
-    loader still serves the source on every render, so dependency tracking is unchanged, and Jinja checks a
-    compiled template against the sha1 of that source before using it, so a stale entry is never run. The disk
-    copy is an optimisation only: a directory that cannot be written (a read-only cache) is skipped.
+    Rendering compiles every template it touches (``cache_size=0``, see `_TrackingLoader`), and compiling is
+    most of the time of a first `get_kernel` in a process that renders (the cache key needs the rendered
+    sources). The loader still serves the source on every render, so dependency tracking is unchanged, and
+    Jinja checks a compiled template against the sha1 of that source before using it, so a stale entry is
+    never run. The disk copy is an optimisation only: a directory that cannot be written (a read-only cache)
+    is skipped.
     """
 
     def __init__(self) -> None:
