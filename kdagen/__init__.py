@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from kdagen.errors import (  # noqa: E402
+from kdagen.errors import (
     BuildError,
     CacheError,
     CacheMissError,
@@ -22,7 +20,8 @@ from kdagen.errors import (  # noqa: E402
     LoadError,
     SpecError,
 )
-from kdagen.spec import KernelSpec, load_spec_file, resolve_spec  # noqa: E402
+from kdagen.spec import KernelSpec, load_spec_file, resolve_spec
+from kdagen.version import __version__
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel

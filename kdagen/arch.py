@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from kdagen.errors import SpecError
 
-__all__ = ["ArchInfo", "FamilyInfo", "ARCHS", "FAMILIES", "get_arch", "get_family", "arch_names"]
+__all__ = ["CHUNK", "ArchInfo", "FamilyInfo", "ARCHS", "FAMILIES", "get_arch", "get_family"]
+
+# Tokens per recurrence step, in every family: the one chunk size the kernels are built for (the spec accepts
+# no other). 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range under the safe-gate
+# promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
+CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -19,33 +24,26 @@ class ArchInfo:
     """What one exact compile target offers. `name` is also the ``--gpu-arch`` value."""
 
     name: str  # "sm_90a": exact target; a binary for one target is refused on another
-    sm: int  # 80, 89, 90, 100
-    capability: tuple[int, int]  # what torch.cuda.get_device_capability() reports on such a GPU
-    gpus: str  # marketing names, for tables and messages
+    gpus: str  # the GPUs of this target, for tables and messages
     families: tuple[str, ...]  # template families that can target it, preferred first
-    has_tma: bool
-    has_wgmma: bool
-    has_tcgen05: bool
-    has_stmatrix: bool
     has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
-    num_sms_hint: int  # of the usual part (grid sizing heuristics only; the runtime asks the device)
-    can_run_here: bool  # False: compiled and inspected only, no such GPU in this project
-    run_here: str  # short answer to "where does this run?", for `kdagen list`
-    note: str
+    runs_here: bool  # False: compiled and inspected here, never run (this project has no such GPU)
 
     @property
-    def tag(self) -> str:
-        """The compact form used in slugs: ``sm_90a`` -> ``sm90a``."""
-        return self.name.replace("_", "")
+    def runs(self) -> str:
+        """One line for `kdagen list`: whether this project runs the target's binaries, and on what."""
+        if self.runs_here:
+            return f"yes: {self.gpus}"
+        return f"no: compiled and inspected here, never run (no {self.gpus} GPU)"
 
 
 @dataclass(frozen=True)
 class FamilyInfo:
-    """A template family: a set of templates and the spec values they implement."""
+    """A template family: a set of templates and the head dims they implement (every family steps `CHUNK`
+    tokens)."""
 
     name: str
-    chunk_sizes: tuple[int, ...]
     head_dims: tuple[int, ...]
     description: str
 
@@ -53,13 +51,11 @@ class FamilyInfo:
 FAMILIES: dict[str, FamilyInfo] = {
     "mma_sync": FamilyInfo(
         name="mma_sync",
-        chunk_sizes=(16,),
         head_dims=(64, 128),
         description="portable: warp-level mma.sync, cp.async, ldmatrix",
     ),
     "wgmma": FamilyInfo(
         name="wgmma",
-        chunk_sizes=(16,),
         head_dims=(64, 128),
         description="Hopper: warpgroup-MMA recurrence fed by TMA (prepare, intra-card CP stages: mma_sync)",
     ),
@@ -70,79 +66,39 @@ ARCHS: dict[str, ArchInfo] = {
     for a in (
         ArchInfo(
             name="sm_80",
-            sm=80,
-            capability=(8, 0),
             gpus="A100",
             families=("mma_sync",),
-            has_tma=False,
-            has_wgmma=False,
-            has_tcgen05=False,
-            has_stmatrix=False,
             has_pdl=False,
             smem_bytes_per_block=163 * 1024,  # 164 KB per SM, 163 KB per block with opt-in
-            num_sms_hint=108,
-            can_run_here=True,
-            run_here="on A100 only (none in this project)",
-            note="Ampere; no sm_80 GPU in this project (an sm_80 binary is refused on H100/H200)",
+            runs_here=False,
         ),
         ArchInfo(
             name="sm_89",
-            sm=89,
-            capability=(8, 9),
             gpus="L40S/RTX 4090",
             families=("mma_sync",),
-            has_tma=False,
-            has_wgmma=False,
-            has_tcgen05=False,
-            has_stmatrix=False,
             has_pdl=False,
             smem_bytes_per_block=99 * 1024,  # 100 KB per SM, 99 KB per block with opt-in
-            num_sms_hint=142,
-            can_run_here=True,
-            run_here="on L40S/4090 only (none in this project)",
-            note="Ada; no sm_89 GPU in this project (an sm_89 binary is refused on H100/H200)",
+            runs_here=False,
         ),
         ArchInfo(
             name="sm_90a",
-            sm=90,
-            capability=(9, 0),
             gpus="H100/H200",
-            # wgmma first: its recurrence is the faster one (plan._AUTO_REASONS has the numbers)
+            # wgmma first: its recurrence is the faster one (plan._AUTO_REASONS)
             families=("wgmma", "mma_sync"),
-            has_tma=True,
-            has_wgmma=True,
-            has_tcgen05=False,
-            has_stmatrix=True,
             has_pdl=True,
             smem_bytes_per_block=227 * 1024,
-            num_sms_hint=132,
-            can_run_here=True,
-            run_here="yes: H100/H200",
-            note="Hopper; run and tested on this project's H100/H200",
+            runs_here=True,
         ),
         ArchInfo(
             name="sm_100a",
-            sm=100,
-            capability=(10, 0),
             gpus="B200",
             families=("mma_sync",),
-            has_tma=True,
-            has_wgmma=False,
-            has_tcgen05=True,
-            has_stmatrix=True,
             has_pdl=True,
             smem_bytes_per_block=227 * 1024,
-            num_sms_hint=148,
-            can_run_here=False,
-            run_here="compile-only: no Blackwell GPU",
-            note="compiled and inspected only: no Blackwell GPU in this project",
+            runs_here=False,
         ),
     )
 }
-
-
-def arch_names() -> tuple[str, ...]:
-    return tuple(ARCHS)
 
 
 def get_arch(name: str) -> ArchInfo:

@@ -1,7 +1,7 @@
 """The ``kdagen`` command: build / render / check / list / key / clean / bench.
 
 Thin by design: each command parses arguments, calls the library and prints. Anything worth doing from
-Python is in the library (`kdagen.build`, `kdagen.render`, `kdagen.cache`, `kdagen.spec`).
+Python is in the library (`kdagen.build`, `kdagen.tree`, `kdagen.cache`, `kdagen.spec`).
 
 SPEC arguments accept ``file.yaml`` (every variant, or those named by ``--variant``) and ``file.yaml:name``.
 """
@@ -31,10 +31,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kdagen import __version__, paths
-from kdagen.arch import get_arch
+from kdagen import paths
+from kdagen.arch import FAMILIES, get_arch
 from kdagen.errors import KdagenError, SpecError
 from kdagen.spec import KernelSpec, load_spec_file, parse_spec_ref, resolve_spec
+from kdagen.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -210,17 +211,17 @@ def build(specfiles: tuple[str, ...], variants: tuple[str, ...], jobs: int, forc
 @_errors
 def render(specfiles: tuple[str, ...], variants: tuple[str, ...], prune: bool) -> None:
     """Render variants into generated/ (default: every spec file under specs/)."""
-    from kdagen import render as r
+    from kdagen import tree
 
     if prune and (specfiles or variants):
         raise click.UsageError("--prune renders every spec under specs/; give no SPECFILE and no --variant")
     files = _default_spec_files() if not specfiles else list(specfiles)
     console = _console()
     for path, name, spec in _select(files, variants):
-        written = r.write_variant(spec, r.default_planner()(spec))
-        console.print(f"{path}:{name} -> {_rel(r.generated_dir_for(spec))}/ ({', '.join(written)})")
+        written = tree.write_variant(spec, tree.default_planner()(spec))
+        console.print(f"{path}:{name} -> {_rel(tree.generated_dir_for(spec))}/ ({', '.join(written)})")
     if prune:
-        for removed in r.prune_tree(files):
+        for removed in tree.prune_tree(files):
             console.print(f"removed {_rel(removed)}")
 
 
@@ -242,7 +243,7 @@ def _rel(p: Path) -> str:
 @_errors
 def check(specdir: Path | None, generated: Path | None) -> None:
     """Fail when generated/ differs from what the specs render to now (stale, missing or extra files)."""
-    from kdagen.render import check_tree
+    from kdagen.tree import check_tree
 
     files = [_rel(f) for f in _spec_files([specdir])] if specdir is not None else _default_spec_files()
     if not files:
@@ -268,33 +269,54 @@ def _describe(spec: KernelSpec) -> tuple[Any, str | None, dict[str, Any] | None]
     return plan, key, parts
 
 
+def _why(ref: str, spec: KernelSpec, plan: Any) -> list[str]:
+    """The long explanation of one variant for ``kdagen list --why``: the plan's full reason, each stage's
+    note, and where the variant runs."""
+    fam = FAMILIES.get(plan.family)
+    lines = [f"{ref}  ({spec.slug()})", f"  family: {plan.family}" + (f" ({fam.description})" if fam else "")]
+    lines.append("  reason:")
+    lines += [f"    {line}" for line in plan.reason.splitlines()]
+    lines.append("  stages:")
+    for stage in plan.stages:
+        built = "" if getattr(stage, "compiled", True) else ", imported by another stage, not compiled alone"
+        note = getattr(stage, "note", "")
+        lines.append(f"    {stage.name} ({stage.template}{built})" + (f": {note}" if note else ""))
+    lines.append(f"  runs: {spec.arch_info.runs}")
+    return lines
+
+
 @cli.command(name="list")
 @click.argument("specfiles", nargs=-1)
+@click.option("--why", is_flag=True, help="Also print each plan's full reason and what each stage does.")
 @_errors
-def list_(specfiles: tuple[str, ...]) -> None:
-    """Show variants: target, family and why, stages, where they run, and whether they are cached."""
+def list_(specfiles: tuple[str, ...], why: bool) -> None:
+    """Show variants: target, family, why in a line, stages, where they run, and whether they are cached."""
+    from kdagen.build import lookup_built
     from kdagen.cache import ArtifactCache
 
     files = _default_spec_files() if not specfiles else list(specfiles)
     cache = ArtifactCache()
     table = Table(title="kdagen variants")
-    for col in ("variant", "arch", "family", "reason", "stages", "runs", "cached"):
+    for col in ("variant", "arch", "family", "why", "stages", "runs", "cached"):
         table.add_column(col, overflow="fold")
+    explained: list[str] = []
     for path, name, spec in _select(files, ()):
-        info = get_arch(spec.arch)
+        ref = f"{path}:{name}"
         try:
             plan, key, _ = _describe(spec)
-            stages = plan.stage_names if hasattr(plan, "stage_names") else [s.name for s in plan.stages]
-            from kdagen.build import lookup_built
-
+            stages = plan.stage_names
             cached = "yes" if lookup_built(cache, spec, key, list(stages)) is not None else "no"
-            family, reason = plan.family, plan.reason
+            family, summary = plan.family, plan.summary
+            if why:
+                explained += ["", *_why(ref, spec, plan)]
         except Exception as e:  # a broken template must not hide the other rows
-            family, reason, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"
-        table.add_row(f"{path}:{name}", spec.arch, family, reason, ", ".join(stages), info.run_here, cached)
+            family, summary, stages, cached = "?", f"[red]{type(e).__name__}: {e}[/red]", [], "?"
+        table.add_row(ref, spec.arch, family, summary, ", ".join(stages), spec.arch_info.runs, cached)
     console = _console()
     console.print(table)
     console.print(f"cache: {cache.root}")
+    for line in explained:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @cli.command()

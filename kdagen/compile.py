@@ -14,11 +14,12 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from kdagen import paths
 
 # The argument alignment every tensor is compiled for. The runtime copies misaligned inputs (rare: a view
 # with an odd storage offset) so the compiled 16-byte cp.async paths stay valid.
@@ -70,11 +71,7 @@ class CompiledStage:
 def _import_generated(path: Path):
     # A unique module name per file: several variants are compiled in one process.
     name = "kdagen_gen_" + path.parent.name.replace("-", "_") + "_" + path.stem
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)  # the DSL re-reads the source from this file when compiling
-    return module
+    return paths.load_module(name, path)  # the DSL re-reads the source from this file when compiling
 
 
 def _pin_arch(arch: str) -> None:

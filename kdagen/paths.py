@@ -19,8 +19,11 @@ Environment variables (read on every call, so tests and long-lived processes see
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 __all__ = [
     "ENV_CACHE_DIR",
@@ -41,6 +44,7 @@ __all__ = [
     "cache_dir",
     "jit_disabled",
     "find_spec_file",
+    "load_module",
     "intracard_cp",
     "overlap",
     "fused",
@@ -141,6 +145,18 @@ def find_spec_file(path: str | os.PathLike[str]) -> Path:
         if candidate.is_file():
             return candidate
     return p
+
+
+def load_module(name: str, path: str | os.PathLike[str]) -> ModuleType:
+    """Import the Python file at `path` as module `name` (registered in ``sys.modules``, so that code run at
+    import time, and the DSL, which re-reads the source from that file, can find it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {os.fspath(path)!r} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def intracard_cp() -> str | int:

@@ -8,15 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdagen.arch import get_arch
+from kdagen.arch import CHUNK
+from kdagen.dtypes import DTYPES, nbytes
 from kdagen.spec import KernelSpec
 
-# The DSL numeric type names the templates use for each spec dtype.
-_DSL_DTYPE = {"bf16": "BFloat16", "fp16": "Float16", "fp32": "Float32"}
+__all__ = ["CHUNK", "StagePlan", "Plan", "make_plan"]
 
-# Tokens per recurrence step. 16 keeps the chunk-start anchor 2^-b inside the fp32/bf16 exponent range
-# under the safe-gate promise (fast-kda.md §B.2), and makes every intra-step product one m16n8k16 tile row.
-CHUNK = 16
 # Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it): four, or fewer
 # without the safe gate where fewer put more warps on an SM (`_prepare_layout`).
 PREPARE_HEADS_PER_CTA = 4
@@ -32,33 +29,18 @@ MAX_RANKED_SEQS = 4096
 # workspace at 2 GiB (B=2 T=16384 H=64 needs 1.8).
 WORKSPACE_ROW = 256
 # The fused prepare + recurrence kernel (templates/wgmma/fused.py.j2): four prepare warps beside the consumer
-# warpgroups, a six-stage ring, the column-block loop rolled (one block a trip). With the first tile code the
-# loop unrolled twice won (H100, 2026-11-26, B=2 T=16384 H=64 in one process: 2.06 ms against 2.11 with one
-# block a trip, 2.16 with four); with the cheaper tile one block a trip wins (1.707-1.734 against
-# 1.748-1.777 ms unrolled twice; four: 2.38, 172 bytes of spills). Eight prepare warps, with the registers
-# split by setmaxnreg, ran 2.55-2.72: spills and a shallower ring per warp. The setup kernel runs
-# it when max(longest, waves x mean) chain steps <= FUSED_MARGIN x the balanced steps per SM of the two-stage
-# path. The margin was 1.1 while the fused kernel took ~2.0 us a step against ~2.4 us per balanced step of
-# the two-stage path. With the cheaper prepare tile (docs/experiments.md) it takes ~1.7 us (B=2 T=16384 1.76
-# against 2.37 ms), and forced on, it beat the two-stage path at every benchmark config whose estimate was
-# within 1.27 x balanced (same H100 session, ms, fused against two-stage: B=2 T=512 [1.13 x] 0.078-0.098
-# against 0.102-0.103; 10 x 410 tokens [1.15 x] 0.283 against 0.328; 20 x 410 [1.15 x] 0.541-0.548 against
-# 0.634; 20 x 205 [1.27 x] 0.333 against 0.346), hence 1.3.
+# warpgroups, a six-stage ring, the column-block loop rolled (one block a trip): the fastest shape measured.
+# H100, B=2 T=16384 H=64: 1.71-1.73 ms rolled, 1.75-1.78 unrolled twice, 2.55-2.72 with 8 prepare warps
+# (docs/experiments.md, "Fused kernel: shape and margin").
 FUSED_PREP_WARPS = 4
 FUSED_STAGES = 6
 FUSED_UNROLL_KB = 1
+# The setup kernel runs the fused kernel when max(longest, waves x mean) chain steps, plus FUSED_FILL_STEPS,
+# are at most FUSED_MARGIN x the balanced steps per SM of the two-stage path. The fill is a CTA's first tile,
+# prepared before its first step; the grid is persistent, so it is charged once a CTA, not once a chain.
+# Forced on, the fused kernel won every measured call within 1.27 x balanced (docs/experiments.md,
+# "Fused kernel: shape and margin", "Fused kernel: fill steps").
 FUSED_MARGIN = 1.3
-# ... and the estimate is charged FUSED_FILL_STEPS more steps (a CTA's first tile is prepared before its first
-# step, and the four prepare warps start together). It was charged per chain while each chain had a CTA of its
-# own; the persistent grid below starts a CTA's next chain under the end of the last, so it is charged once.
-# With the charge per chain the rule declined short equal chains the persistent kernel wins (H100, forced on
-# against off, ms: 20 x 64 tokens 0.131 against 0.148, 40 x 64 0.239 against 0.278, 20 x 128 0.201 against
-# 0.237; estimates 1.80, 1.80 and 1.42 x balanced, 1.11, 1.07 and 1.07 charged once) and ties (10 x 128 0.129
-# against 0.128, 40 x 32 0.188 against 0.183: 1.11 charged once). In the first benchmark with the fused kernel
-# (H100, 2026-11-26) it was slower than the two-stage path of the previous final run (another H100) at 32
-# steps a chain (B=2 T=512: 0.129 against 0.092 ms) and at ten waves of 13 steps (20 x 204 tokens: 0.393
-# against 0.346), faster from 64 steps on (B=2 T=1024: 0.158 against 0.167; 10 x 819: 0.587 against 0.613); 3
-# steps separates them all. Kept with the cheaper tile, which wins both of those calls (FUSED_MARGIN).
 FUSED_FILL_STEPS = 3
 # Its grid is persistent (one CTA per SM at most) and its CTAs take chains from a device counter through a
 # queue of FUSED_QUEUE entries a CTA: the prepare warps may be a few short chains ahead of the consumers (the
@@ -68,22 +50,13 @@ FUSED_QUEUE = 4
 # would leave half the SMs idle (B=1 at H=64: 64 chains on 132 SMs), a cluster of two CTAs runs each chain,
 # each CTA the recurrence of half the value rows and the preparation of every other step, which it hands to
 # the partner by bulk shared-memory copies. The two CTAs' prepare warps share one ring schedule, so the ring
-# holds a step for each of them (FUSED_PAIR_STAGES >= 2 x prepare warps a CTA: four with bf16 g, 224 KB;
-# three with fp32 g, whose g tiles leave no room for a fourth: `_pair_prep_warps`). A chain then steps in
-# ~0.93 us (bf16 g; ~1.05 us with three warps) against ~1.65 us with one CTA (H100, B=1 T=16384 at 4 to 64
-# heads: 0.93-0.96 against 1.64-1.70 ms), so FUSED_PAIR_STEP = 0.6 scales the setup kernel's estimate.
-# With it B=1 T=16384 H=64 takes 0.96 ms against 1.19 on the two-stage path (fp32 g: 1.06 against 1.30),
-# T=2048 0.138 against 0.166; at 48 heads and fewer the two-stage path is as fast or faster (its
-# recurrence steps in ~0.6-1.0 us there), and the rule keeps it (docs/architecture.md, "The fused kernel in
-# CTA pairs").
+# holds a step for each of them (FUSED_PAIR_STAGES >= 2 x prepare warps a CTA: `_pair_prep_warps`).
+# A chain steps in ~0.6 x the time of one CTA's, which FUSED_PAIR_STEP applies to the setup kernel's estimate:
+# ~0.93 against ~1.65 us (docs/experiments.md, "Fused kernel in CTA pairs").
 FUSED_PAIR_STAGES = 8
 FUSED_PAIR_STEP = 0.6
-# The pair form is taken within FUSED_PAIR_MARGIN (not FUSED_MARGIN) of the balanced steps. Device times by
-# CUDA-graph replay (H100, 2026-11-27, B=1, us, pairs against the two-stage path; in brackets the estimate
-# over balanced): H=64 T=128 23.6/20.7 [1.70], T=256 31.0/30.8 [1.47], T=512 48.2/54.0 [1.31], T=768
-# 63.6/71.6 [1.32], T=1024 76.8/89.7 [1.30], T=2048 139.8/159.8 [1.27]; H=48 T=512-2048 0.94-1.02 of the
-# two-stage time [1.69-1.81]; H=32 and H=16 1.07-1.38 [2.5 and more]. With 1.3, T=512 and T=768 at H=64
-# missed by 1%; 1.4 takes every H=64 call from T=512 up and keeps every call at 48 heads and fewer off.
+# The pair form is taken within FUSED_PAIR_MARGIN (not FUSED_MARGIN) of the balanced steps: 1.4 takes every
+# measured H=64 call from T=512 up and no call at 48 heads or fewer (docs/experiments.md, "Pair margin").
 FUSED_PAIR_MARGIN = 1.4
 
 
@@ -95,13 +68,15 @@ class StagePlan:
     # False: a module other stages import (its kernels are compiled into theirs); rendered and checked like
     # every stage, but neither compiled on its own nor loaded by the runtime.
     compiled: bool = True
+    note: str = ""  # what the stage does and its layout, in a line (`kdagen list --why`; not rendered)
 
 
 @dataclass(frozen=True)
 class Plan:
     family: str
-    reason: str
+    reason: str  # why this family and which kernels, in full (every rendered file's header)
     stages: tuple[StagePlan, ...]
+    summary: str = ""  # the reason in a few words (`kdagen list`; not rendered)
 
     @property
     def stage_names(self) -> list[str]:
@@ -109,28 +84,34 @@ class Plan:
         return [s.name for s in self.stages if s.compiled]
 
 
-# Why `auto` picks a target's first family. On sm_90a both families build every spec and pass the same tests;
-# wgmma is first because its recurrence is the faster one (H100, 2026-11-26, benchmarks/bench_step.py
-# --family, T=16384, same machine: 0.57 against 0.72 us per step at 1 head; at 64 heads beside prepare the
-# recurrence ends at 1.19 against 1.46 ms, docs/experiments.md).
+# Why `auto` picks a target's first family, where there is a choice (shown in every rendered header). On
+# sm_90a both families build every spec and pass the same tests; wgmma's recurrence is the faster one
+# (docs/experiments.md, "Family choice on sm_90a").
 _AUTO_REASONS = {
     ("sm_90a", "wgmma"): "Hopper: the recurrence on warpgroup MMA fed by TMA from a producer warp (0.57 vs "
     "0.72 us per step for mma_sync on an H100); prepare and the intra-card CP stages are the mma_sync ones",
 }
+_AUTO_SUMMARIES = {("sm_90a", "wgmma"): "the faster recurrence on Hopper"}
 
 
-def _auto_reason(arch: str, family: str) -> str:
+def _auto_reason(arch: str, family: str) -> tuple[str, str]:
+    """(reason, summary) of `auto`'s choice of `family` for `arch`."""
     only = f"portable warp-MMA family: the only family implemented for {arch}"
-    return _AUTO_REASONS.get((arch, family), only)
+    summary = _AUTO_SUMMARIES.get((arch, family), f"the only family for {arch}")
+    return _AUTO_REASONS.get((arch, family), only), summary
 
 
-def _choose_family(spec: KernelSpec) -> tuple[str, str]:
-    """The spec's family, or for `auto` the target's preferred one (validation has already checked that the
-    families it lists can build the spec: they share chunk sizes and head dims)."""
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _choose_family(spec: KernelSpec) -> tuple[str, str, str]:
+    """(family, reason, summary): the spec's family, or for `auto` the target's preferred one (validation has
+    already checked that the families it lists can build the spec)."""
     if spec.family != "auto":
-        return spec.family, f"requested in the spec ({spec.family})"
-    family = get_arch(spec.arch).families[0]
-    return family, _auto_reason(spec.arch, family)
+        return spec.family, f"requested in the spec ({spec.family})", "requested in the spec"
+    family = spec.arch_info.families[0]
+    return family, *_auto_reason(spec.arch, family)
 
 
 def _common_params(spec: KernelSpec) -> dict[str, Any]:
@@ -139,7 +120,7 @@ def _common_params(spec: KernelSpec) -> dict[str, Any]:
         "head_dim_v": spec.head_dim_v,
         "chunk": CHUNK,
         "gva_ratio": spec.gva_ratio,
-        "dtype": _DSL_DTYPE[spec.dtype],
+        "dtype": DTYPES[spec.dtype].dsl,
     }
 
 
@@ -148,30 +129,24 @@ def _prepare_warp_smem(spec: KernelSpec) -> int:
     padded rows), the fold's kr, one 16-column block of g and beta (the small per-tile matrices reuse the q
     and k tiles). The anchored path (no safe gate) keeps its products in registers: the same bytes."""
     k = spec.head_dim_k
-    g_bytes = 4 if spec.g_dtype == "fp32" else 2
     per_warp = 2 * CHUNK * (k + 8) * 2  # q, k tiles (16-bit, padded rows)
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
-    per_warp += CHUNK * 16 * g_bytes + CHUNK * 4  # a block of g, beta
+    per_warp += CHUNK * 16 * nbytes(spec.g_dtype) + CHUNK * 4  # a block of g, beta
     return per_warp
 
 
 def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
     """(value heads a prepare CTA, prepare CTAs an SM): the compiler caps registers to fit that many.
 
-    The stage is latency-bound (short dependent phases per warp; ncu on an H200 measured ~5 cycles per issued
-    instruction at 8 warps per SM), so occupancy is what makes it fast, and shared memory per warp sets the
+    The stage is latency-bound, so occupancy is what makes it fast, and shared memory per warp sets the
     ceiling. Four heads a CTA and at most four CTAs (16 warps, 128 registers a thread) is the most the
-    register file allows without spilling the fragment-resident tile. Without the safe gate the heads a CTA,
-    of four, two or one, that put the most warps on an SM: the pairwise path's ~31 KB a warp needed it (one
-    head a CTA, seven CTAs on sm_90a: docs/experiments.md, "Prepare without a gate bound"); the anchored path
-    that replaced it takes the safe gate's bytes a warp, so on sm_90a and sm_100a both gates get four heads
-    and four CTAs, while on sm_80 and sm_89 (compile-only here) the non-safe variants take more, smaller
-    CTAs than the safe ones, a layout never measured there.
+    register file allows without spilling the fragment-resident tile. Without the safe gate: the heads a CTA,
+    of four, two or one, that put the most warps on an SM (four on sm_90a and sm_100a; more, smaller CTAs on
+    sm_80 and sm_89, which are compiled here and never run: docs/experiments.md, "Prepare layout").
     """
-    capacity = get_arch(spec.arch).smem_bytes_per_block
+    capacity = spec.arch_info.smem_bytes_per_block
     per_warp = _prepare_warp_smem(spec)
-    # With the safe gate only four heads: the other layouts were never measured there (more warps on
-    # sm_80/sm_89, which cannot be run here).
+    # With the safe gate only four heads: the one layout measured with it.
     choices = (PREPARE_HEADS_PER_CTA,) if spec.safe_gate else (PREPARE_HEADS_PER_CTA, 2, 1)
     best = (0, PREPARE_HEADS_PER_CTA, 1)
     for heads in choices:
@@ -193,11 +168,11 @@ _SUBPARTITIONS, _SUBPARTITION_REGS = 4, 16384
 def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     """Prepare CTAs per SM that leave room for one recurrence CTA on the same SM.
 
-    By SM totals, three prepare CTAs (96 registers x 128 threads each) and one wgmma recurrence CTA (144 x
-    160) fit in 65536 registers; by sub-partition they do not: the recurrence's fifth warp (its TMA producer)
-    shares a sub-partition with a consumer warp, 2 x 144 x 32 + 3 x 96 x 32 = 18432 > 16384, and the block
-    scheduler keeps the recurrence waiting until prepare ends (H200, 2026-11-26: the recurrence of B=1 T=16384
-    started at 0.83 ms with three prepare CTAs per SM, at 0.02 ms with two; 1.23 ms end to end against 1.75).
+    What must fit is the busiest sub-partition: by SM totals, three prepare CTAs (96 registers x 128
+    threads each) and one wgmma recurrence CTA (144 x 160) fit in 65536 registers, but the recurrence's fifth
+    warp (its TMA producer) shares a sub-partition with a consumer warp, 2 x 144 x 32 + 3 x 96 x 32 = 18432 >
+    16384, and the block scheduler then holds the recurrence until prepare ends (docs/experiments.md,
+    "Prepare beside the recurrence").
     """
     warps, regs = _RECURRENCE_CTA[family]
     rec_busiest = -(-warps // _SUBPARTITIONS) * regs * 32
@@ -214,9 +189,8 @@ def _fused_smem_bytes(
     the barriers, the chain queue (an entry and the head's dt_bias and exp(A_log) a slot) and the 1 KB
     alignment of the four wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
-    g_bytes = 4 if spec.g_dtype == "fp32" else 2
     stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
-    per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * g_bytes + CHUNK * 4
+    per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * nbytes(spec.g_dtype) + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
     queue = FUSED_QUEUE * (2 * 8 + 5 * 4 + k * 4)
     return stages * stage + prep_warps * per_warp + 2 * stages * 8 + queue + 4 * 1024
@@ -224,22 +198,20 @@ def _fused_smem_bytes(
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
     """The fused kernel exists for the wgmma family with the safe gate, where one CTA fits the target's shared
-    memory (every spec today). Without the safe gate it builds and passes the GPU tests (the anchored tile
-    fits beside the ring), but runs ~1.9x slower than the two-stage path: its four prepare warps a CTA set
-    the pace, and the anchored tile is longer than the safe one (H100, softplus spec, B2 T16384 5.63 against
-    2.96 ms; docs/experiments.md, "Anchored blocks on tensor cores")."""
+    memory. Without the safe gate it builds and passes the GPU tests, but runs ~1.9x slower than the two-stage
+    path: its four prepare warps a CTA set the pace, and the anchored tile is longer than the safe one
+    (docs/experiments.md, "Fused kernel without the safe gate")."""
     return (family == "wgmma" and spec.safe_gate
-            and _fused_smem_bytes(spec) <= get_arch(spec.arch).smem_bytes_per_block)
+            and _fused_smem_bytes(spec) <= spec.arch_info.smem_bytes_per_block)
 
 
 def _pair_prep_warps(spec: KernelSpec) -> int | None:
     """Prepare warps a CTA of the pair form: four where the 8-stage ring fits beside them (bf16 g at K=128,
-    224 KB), else three (fp32 g: 218 KB); None where the form does not apply (it needs two 64-row value
-    blocks to split, V = 128). Three a CTA, six a chain, step a little slower (H100, fp32 g, B=1 T=16384
-    H=64: 1.06-1.08 ms in pairs against 1.30 on the two-stage path; bf16 g with four: 0.96 against 1.19)."""
+    224 KB), else three (fp32 g: 218 KB), which step a little slower (docs/experiments.md, "Pair form: prepare
+    warps"); None where the form does not apply (it needs two 64-row value blocks to split, V = 128)."""
     if spec.head_dim_v != 2 * BLOCK_V:
         return None
-    limit = get_arch(spec.arch).smem_bytes_per_block
+    limit = spec.arch_info.smem_bytes_per_block
     for warps in (FUSED_PREP_WARPS, FUSED_PREP_WARPS - 1):
         if _fused_smem_bytes(spec, FUSED_PAIR_STAGES, warps) <= limit:
             return warps
@@ -258,7 +230,7 @@ def _merge_params(spec: KernelSpec) -> dict:
     rows = 16  # S^T rows per CTA: one m16 block
     map_bytes = k * k * 4  # bf16 hi and lo planes
     a_bytes = 2 * rows * k * 2 + 2048  # the bf16 hi/lo A operand, and alignment slack
-    stages = max(1, min(3, (get_arch(spec.arch).smem_bytes_per_block - a_bytes) // map_bytes))
+    stages = max(1, min(3, (spec.arch_info.smem_bytes_per_block - a_bytes) // map_bytes))
     return {
         "head_dim_k": k,
         "head_dim_v": spec.head_dim_v,
@@ -270,28 +242,29 @@ def _merge_params(spec: KernelSpec) -> dict:
 
 
 def make_plan(spec: KernelSpec) -> Plan:
-    family, reason = _choose_family(spec)
+    family, reason, summary = _choose_family(spec)
     fused = _has_fused(family, spec)
     pair_warps = _pair_prep_warps(spec) if fused else None
     pair = pair_warps is not None
     if fused:
         reason += "; with a fused prepare + recurrence kernel, run when the chains fill the SMs (setup picks)"
+        summary += "; fused kernel when the chains fill the SMs"
     if pair:
         reason += ", in CTA pairs when they fill half"
+        summary += ", CTA pairs at half"
     common = _common_params(spec)
     heads, ctas = _prepare_layout(spec)
     # Programmatic dependent launch lets the recurrence start while prepare runs (sm_90 and later); without it
     # the recurrence starts when prepare ends, and the ready flags are then always set.
-    pdl = get_arch(spec.arch).has_pdl
+    pdl = spec.arch_info.has_pdl
     # Registers are capped for one prepare CTA more than fit alone when the recurrence may run beside it (96 a
     # thread at four CTAs; ptxas spills ~48 bytes); the cap is 65536 over the CTAs' threads, rounded down to
     # the allocation unit of 8.
     min_ctas = ctas + 1 if pdl else ctas
     prepare_regs = min(255, 65536 // (32 * heads * min_ctas)) // 8 * 8
-    # Beside the recurrence, prepare leaves room for one recurrence CTA. Not with fewer heads a CTA (as the
-    # pairwise path had on sm_90a): its CTAs fill an SM's shared memory and registers, and a recurrence CTA
-    # could only start where most of them were left out, so prepare keeps the SMs and the recurrence follows
-    # as they free up.
+    # Beside the recurrence, prepare leaves room for one recurrence CTA. Not with fewer heads a CTA: its CTAs
+    # fill an SM's shared memory and registers, and a recurrence CTA could only start where most of them were
+    # left out, so prepare keeps the SMs and the recurrence follows as they free up.
     beside = _prepare_ctas_beside(family, ctas, prepare_regs) if pdl and heads == PREPARE_HEADS_PER_CTA \
         else ctas
     # Templates of the stages both families share (prepare, intra-card CP): the wgmma family differs in the
@@ -306,8 +279,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "lower_bound": spec.lower_bound,
             "safe_gate": spec.safe_gate,
             "l2norm_qk": spec.l2norm_qk,
-            "g_dtype": _DSL_DTYPE[spec.g_dtype],
-            "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
+            "g_dtype": DTYPES[spec.g_dtype].dsl,
+            "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "heads_per_cta": heads,
             # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
             "ctas_per_sm": ctas,
@@ -324,6 +297,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             # With a fused kernel, forward's prepare exits at once when the setup kernel chose it.
             "fused": fused,
         },
+        note=f"chunk-parallel, {CHUNK}-token steps: {_count(heads, 'value head')} a CTA (a warp each), "
+        f"{_count(ctas, 'CTA')} an SM" + (f" alone, {beside} beside the recurrence" if pdl else ""),
     )
     block_v = min(BLOCK_V, spec.head_dim_v)
     rec_params = {
@@ -340,7 +315,14 @@ def make_plan(spec: KernelSpec) -> Plan:
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
     # The recurrence is compiled into `forward` (below), not launched on its own.
-    recurrence = StagePlan("recurrence", f"{family}/recurrence.py.j2", seq_params, compiled=False)
+    recurrence = StagePlan(
+        "recurrence",
+        f"{family}/recurrence.py.j2",
+        seq_params,
+        compiled=False,
+        note=f"the serial chain per (sequence, head): {block_v} value rows a CTA, "
+        f"a {seq_params['stages']}-stage load pipeline",
+    )
     # The whole-sequence path in one host call: the ready flags zeroed and, when the runtime asks for it
     # (KDAKernel._by_length), the sequences ranked longest first; then prepare and the recurrence beside it.
     forward = StagePlan(
@@ -349,8 +331,8 @@ def make_plan(spec: KernelSpec) -> Plan:
         {
             **common,
             "gate": spec.gate,
-            "g_dtype": _DSL_DTYPE[spec.g_dtype],
-            "beta_dtype": _DSL_DTYPE[spec.beta_dtype],
+            "g_dtype": DTYPES[spec.g_dtype].dsl,
+            "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "state_layout": spec.state_layout,
             "max_seqs": MAX_RANKED_SEQS,
             "workspace_row": WORKSPACE_ROW,  # bytes per row of the call's workspace
@@ -361,6 +343,9 @@ def make_plan(spec: KernelSpec) -> Plan:
             "fused_pair_step": FUSED_PAIR_STEP,
             "fused_pair_margin": FUSED_PAIR_MARGIN,
         },
+        note="the entry point: a setup kernel (ready flags, sequence order, path choice), then prepare and "
+        + ("the recurrence beside it" if pdl else "the recurrence after it")
+        + (", or the fused kernel" if fused else ""),
     )
     # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).
     fused_stage = StagePlan(
@@ -377,6 +362,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "pair": False,
         },
         compiled=False,
+        note=f"prepare and the recurrence in one persistent kernel: {FUSED_PREP_WARPS} prepare warps, "
+        f"{FUSED_STAGES} ring stages",
     )
     # Its pair form (a CTA cluster a chain), compiled into `forward` too where the variant has it.
     pair_stage = StagePlan(
@@ -384,12 +371,25 @@ def make_plan(spec: KernelSpec) -> Plan:
         "wgmma/fused.py.j2",
         {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps},
         compiled=False,
+        note=f"the fused kernel with a CTA pair a chain: {pair_warps} prepare warps a CTA, "
+        f"{FUSED_PAIR_STAGES} ring stages",
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass (after prepare).
-    prescan = StagePlan("cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"})
-    merge = StagePlan("cp_merge", f"{shared}/cp_merge.py.j2", _merge_params(spec))
-    segments = StagePlan("cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"})
+    prescan = StagePlan(
+        "cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"},
+        note="intra-card CP: each segment's affine state map",
+    )
+    merge_params = _merge_params(spec)
+    merge = StagePlan(
+        "cp_merge", f"{shared}/cp_merge.py.j2", merge_params,
+        note=f"intra-card CP: the maps combined in order, {_count(merge_params['stages'], 'map buffer')} in "
+        "shared memory",
+    )
+    segments = StagePlan(
+        "cp_segments", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "segment"},
+        note="intra-card CP: each segment's pass from its merged initial state",
+    )
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments)
-    return Plan(family=family, reason=reason, stages=stages)
+    return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -1,9 +1,8 @@
-"""Render a variant's plan into CuTe DSL source files, deterministically, and check ``generated/``.
+"""Render a variant's plan into CuTe DSL source files, deterministically.
 
-Each `StagePlan` of the plan (``name``, ``template`` under ``templates/``, ``params``) becomes
-``<generated>/<arch>/<slug>/<name>.py``. A template sees ``spec`` (the `KernelSpec`), ``plan``, ``stage`` and
-``p`` (= ``stage.params``, keys sorted). Undefined names are errors (StrictUndefined): a template cannot
-silently render a hole.
+Each `StagePlan` of the plan (``name``, ``template`` under ``templates/``, ``params``) becomes the text of
+``<name>.py``. A template sees ``spec`` (the `KernelSpec`), ``plan``, ``stage`` and ``p`` (= ``stage.params``,
+keys sorted). Undefined names are errors (StrictUndefined): a template cannot silently render a hole.
 
 Every file starts with a header naming the generator version, the variant's canonical spec JSON, the plan's
 family and reason, the template and every template it pulled in (with sha256), and the sha256 of the body.
@@ -11,43 +10,28 @@ No timestamps, no absolute paths: the same spec and templates give the same byte
 
 Templates are found through `kdagen.paths.templates_dir()` (the checkout's ``templates/``, or the wheel's
 ``kdagen/_data/templates``); every function takes ``templates=`` to override it (tests use fixtures).
+Writing and checking the ``generated/`` tree is `kdagen.tree`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import json
 import os
-import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
 
-from kdagen import __version__, paths
-from kdagen.files import write_atomic
-from kdagen.spec import KernelSpec, load_spec_file
+from kdagen import paths
+from kdagen.spec import KernelSpec
+from kdagen.version import __version__
 
-__all__ = [
-    "PlanLike",
-    "StagePlanLike",
-    "make_environment",
-    "render_variant",
-    "generated_dir_for",
-    "write_variant",
-    "expected_tree",
-    "check_tree",
-    "default_planner",
-    "extra_paths",
-    "prune_tree",
-]
-
-_IGNORED_NAMES = {"__pycache__"}  # importing a generated file by path leaves bytecode beside it
+__all__ = ["PlanLike", "StagePlanLike", "Planner", "make_environment", "render_variant"]
 
 
 class StagePlanLike(Protocol):
@@ -90,11 +74,12 @@ class _TrackingLoader(jinja2.FileSystemLoader):
 class _CompiledTemplates(jinja2.BytecodeCache):
     """Compiled templates, kept in memory for the process and on disk under the cache directory.
 
-    Rendering compiles every template it touches (``cache_size=0``, see `_TrackingLoader`), and compiling was
-    most of the time a first `get_kernel` took in a process (the cache key needs the rendered sources). The
-    loader still serves the source on every render, so dependency tracking is unchanged, and Jinja checks a
-    compiled template against the sha1 of that source before using it, so a stale entry is never run. The disk
-    copy is an optimisation only: a directory that cannot be written (a read-only cache) is skipped.
+    Rendering compiles every template it touches (``cache_size=0``, see `_TrackingLoader`), and compiling is
+    most of the time of a first `get_kernel` in a process that renders (the cache key needs the rendered
+    sources). The loader still serves the source on every render, so dependency tracking is unchanged, and
+    Jinja checks a compiled template against the sha1 of that source before using it, so a stale entry is
+    never run. The disk copy is an optimisation only: a directory that cannot be written (a read-only cache)
+    is skipped.
     """
 
     def __init__(self) -> None:
@@ -212,192 +197,3 @@ def render_variant(
             body += "\n"
         out[f"{stage.name}.py"] = _header(spec, plan, stage, dict(loader.seen), body) + body
     return out
-
-
-def generated_dir_for(spec: KernelSpec, root: str | os.PathLike[str] | None = None) -> Path:
-    """``<generated>/<arch>/<slug>/``; the generated root defaults to `kdagen.paths.generated_dir()`."""
-    base = Path(root) if root is not None else paths.generated_dir()
-    return base / spec.arch / spec.slug()
-
-
-def _write_if_changed(path: Path, text: str) -> None:
-    try:
-        if path.read_text() == text:
-            return  # keep the mtime: nothing changed
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, text.encode())
-
-
-def write_variant(
-    spec: KernelSpec,
-    plan: PlanLike,
-    root: str | os.PathLike[str] | None = None,
-    *,
-    templates: str | os.PathLike[str] | None = None,
-) -> dict[str, Path]:
-    """Render and write atomically into `generated_dir_for(spec, root)`; returns {file name: path}.
-
-    Stage files the plan no longer produces are removed from that directory, so it holds exactly the plan.
-    """
-    files = render_variant(spec, plan, templates=templates)
-    d = generated_dir_for(spec, root)
-    out = {}
-    for name, text in files.items():
-        _write_if_changed(d / name, text)
-        out[name] = d / name
-    for old in d.glob("*.py"):
-        if old.name not in files:
-            old.unlink()
-    return out
-
-
-def default_planner() -> Planner:
-    """`kdagen.plan.make_plan`, imported on first use (tests substitute a fake planner here)."""
-    from kdagen.plan import make_plan
-
-    return make_plan
-
-
-def _expected(
-    spec_files: Iterable[str | os.PathLike[str]],
-    root: Path,
-    planner: Planner | None,
-    templates: str | os.PathLike[str] | None,
-) -> tuple[dict[Path, str], dict[Path, str]]:
-    """({path: text}, {variant directory: "file.yaml:name" that produces it})."""
-    plan_of = planner or default_planner()
-    out: dict[Path, str] = {}
-    origin: dict[Path, str] = {}
-    for f in spec_files:
-        for name, spec in load_spec_file(f).items():
-            d = generated_dir_for(spec, root)
-            if d in origin:  # the same spec under another name: one directory, rendered once
-                continue
-            origin[d] = f"{f}:{name}"
-            for fname, text in render_variant(spec, plan_of(spec), templates=templates).items():
-                out[d / fname] = text
-    return out, origin
-
-
-def expected_tree(
-    spec_files: Iterable[str | os.PathLike[str]],
-    root: str | os.PathLike[str] | None = None,
-    *,
-    planner: Planner | None = None,
-    templates: str | os.PathLike[str] | None = None,
-) -> dict[Path, str]:
-    """Every file the given spec files produce under the generated root: {path: text}.
-
-    Variants with the same spec (under different names or files) share a directory and are rendered once.
-    `planner` defaults to `kdagen.plan.make_plan`.
-    """
-    base = Path(root) if root is not None else paths.generated_dir()
-    return _expected(spec_files, base, planner, templates)[0]
-
-
-def _ignored(rel: Path) -> bool:
-    return any(part in _IGNORED_NAMES or part.startswith(".") or part.endswith(".pyc") for part in rel.parts)
-
-
-def extra_paths(expected: Iterable[Path], root: Path) -> list[Path]:
-    """Files and directories under `root` that are not in (or above) `expected`, topmost only, sorted.
-
-    Bytecode caches and dotfiles are ignored.
-    """
-    expected = set(expected)
-    wanted_dirs = {root} | {q for p in expected for q in p.parents}
-    out: list[Path] = []
-    if not root.is_dir():
-        return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        d = Path(dirpath)
-        keep = []
-        for name in sorted(dirnames):
-            sub = d / name
-            if _ignored(sub.relative_to(root)):
-                continue
-            if sub in wanted_dirs:
-                keep.append(name)
-            else:
-                out.append(sub)  # reported once, not descended into
-        dirnames[:] = keep
-        out += [
-            d / n
-            for n in sorted(filenames)
-            if not _ignored((d / n).relative_to(root)) and d / n not in expected
-        ]
-    return sorted(out)
-
-
-def check_tree(
-    spec_files: Iterable[str | os.PathLike[str]],
-    root: str | os.PathLike[str] | None = None,
-    *,
-    planner: Planner | None = None,
-    templates: str | os.PathLike[str] | None = None,
-) -> list[str]:
-    """Compare the generated root with what the spec files produce; [] when it is up to date.
-
-    Each problem is a readable paragraph: a stale file with its unified diff (on disk -> rendered now), a
-    missing file, or a file or directory that no spec produces (reported once at its topmost directory).
-    Bytecode caches and dotfiles are ignored.
-    """
-    base = Path(root) if root is not None else paths.generated_dir()
-    expected, origin = _expected(spec_files, base, planner, templates)
-    shown = _shown_root(base)
-    problems: list[str] = []
-    for d, ref in sorted(origin.items()):
-        if not d.is_dir():
-            problems.append(f"missing directory: {shown / d.relative_to(base)}/ (from {ref})")
-    for path, text in sorted(expected.items()):
-        rel = shown / path.relative_to(base)
-        if not path.parent.is_dir():
-            continue  # reported above, once per directory
-        if not path.is_file():
-            problems.append(f"missing: {rel} (from {origin[path.parent]})")
-            continue
-        actual = path.read_text()
-        if actual != text:
-            diff = "".join(
-                difflib.unified_diff(
-                    actual.splitlines(keepends=True),
-                    text.splitlines(keepends=True),
-                    fromfile=f"{rel} (on disk)",
-                    tofile=f"{rel} (rendered now)",
-                )
-            )
-            problems.append(f"stale: {rel} (from {origin[path.parent]})\n{diff}")
-    for extra in extra_paths(expected, base):
-        kind = "directory" if extra.is_dir() else "file"
-        slash = "/" if extra.is_dir() else ""
-        problems.append(f"extra {kind} (no spec produces it): {shown / extra.relative_to(base)}{slash}")
-    return problems
-
-
-def prune_tree(
-    spec_files: Iterable[str | os.PathLike[str]],
-    root: str | os.PathLike[str] | None = None,
-    *,
-    planner: Planner | None = None,
-    templates: str | os.PathLike[str] | None = None,
-) -> list[Path]:
-    """Delete what no spec produces under the generated root (see `extra_paths`); returns what went."""
-    base = Path(root) if root is not None else paths.generated_dir()
-    expected = expected_tree(spec_files, base, planner=planner, templates=templates)
-    removed = extra_paths(expected, base)
-    for p in removed:
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-    return removed
-
-
-def _shown_root(base: Path) -> Path:
-    # Paths in messages: relative to the working directory when possible, as a user would type them.
-    try:
-        return base.resolve().relative_to(Path.cwd().resolve())
-    except ValueError:
-        return base

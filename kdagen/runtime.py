@@ -33,11 +33,12 @@ from typing import Any
 import torch
 
 from kdagen import paths, workspace
+from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
 from kdagen.plan import CHUNK, MAX_RANKED_SEQS, Plan
 from kdagen.spec import KernelSpec
 
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TORCH_DTYPE = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}
 _ALIGN = 16  # bytes; the stages are compiled for 16-byte aligned tensors
 # TVM-FFI takes the launch stream from torch itself when torch offers the DLPack C exchange API.
 _TORCH_SETS_FFI_STREAM = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")

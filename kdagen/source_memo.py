@@ -24,8 +24,9 @@ from typing import Any
 
 import pydantic
 
-from kdagen import __version__, paths
+from kdagen import paths
 from kdagen.files import write_atomic
+from kdagen.version import __version__
 
 __all__ = ["generator_digest", "memo_id", "load_digests", "store_digests", "MEMO_DIR"]
 

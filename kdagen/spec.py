@@ -8,7 +8,7 @@ Two levels of checks:
 - `KernelSpec` itself checks each field and the rules between fields (gate / lower_bound / safe_gate). A spec
   that passes is meaningful, so it can be hashed and compared.
 - `validate_capabilities` checks it against the target's record in `kdagen.arch` (is the family available for
-  the arch, does it support this chunk size). `load_spec_file` and `resolve_spec` run both, so what a user
+  the arch, does it support these head dims). `load_spec_file` and `resolve_spec` run both, so what a user
   loads can be built.
 
 Every message names where the value came from, the variant and the field, one problem per line:
@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from kdagen import arch as _arch
 from kdagen import paths
+from kdagen.dtypes import DTYPES
 from kdagen.errors import SpecError
 
 __all__ = [
@@ -111,10 +112,10 @@ class KernelSpec(BaseModel):
     @field_validator("chunk_size")
     @classmethod
     def _chunk_size(cls, v: int) -> int:
-        if v < 16 or v > 128 or v & (v - 1):
-            raise PydanticCustomError(
-                "spec_rule", "{message}", {"message": f"expected a power of two in [16, 128], got {v}"}
-            )
+        # The kernels step CHUNK tokens at a time; no other chunk size is built.
+        if v != _arch.CHUNK:
+            message = f"expected {_arch.CHUNK} (tokens per recurrence step, the only size built), got {v}"
+            raise PydanticCustomError("spec_rule", "{message}", {"message": message})
         return v
 
     @model_validator(mode="after")
@@ -210,7 +211,7 @@ def _num(x: float) -> str:
 
 
 def _short(dtype: str) -> str:
-    return {"fp32": "32", "bf16": "bf16", "fp16": "16"}[dtype]
+    return DTYPES[dtype].slug
 
 
 # -- error formatting -------------------------------------------------------------------------------------
@@ -302,12 +303,7 @@ def validate_capabilities(spec: KernelSpec, *, source: str | None = None, varian
     problems: list[str] = []
     for name in candidates:
         fam = _arch.get_family(name)
-        if spec.chunk_size not in fam.chunk_sizes:
-            problems.append(
-                f"field 'chunk_size': the {name} family supports chunk_size "
-                f"{' or '.join(map(str, fam.chunk_sizes))} only, got {spec.chunk_size}"
-            )
-        elif spec.head_dim_k not in fam.head_dims or spec.head_dim_v not in fam.head_dims:
+        if spec.head_dim_k not in fam.head_dims or spec.head_dim_v not in fam.head_dims:
             problems.append(
                 f"field 'head_dim_k': the {name} family supports head dims "
                 f"{', '.join(map(str, fam.head_dims))}, got k={spec.head_dim_k} v={spec.head_dim_v}"

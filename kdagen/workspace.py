@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-# Tokens per tile, and the workspace's row width (it is allocated as [size / ROW, ROW] bytes): the planner's.
-from kdagen.plan import CHUNK
+# Tokens per tile (every family's chunk size), and the workspace's row width (it is allocated as
+# [size / ROW, ROW] bytes, the planner's choice).
+from kdagen.arch import CHUNK
 from kdagen.plan import WORKSPACE_ROW as ROW
 
 ALIGN = 16

@@ -20,6 +20,7 @@ class FakeStage:
     name: str
     template: str
     params: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class FakePlan:
     family: str
     reason: str
     stages: tuple[FakeStage, ...]
+    summary: str = ""
 
     @property
     def stage_names(self) -> list[str]:
@@ -40,9 +42,10 @@ def fake_plan(spec: Any) -> FakePlan:
         family="fake",
         reason=f"fixture planner for {spec.arch}\nsecond line of the reason",
         stages=(
-            FakeStage("alpha", "fake/stage.py.j2", dict(params)),
-            FakeStage("beta", "fake/stage.py.j2", {**params, "extra": 1}),
+            FakeStage("alpha", "fake/stage.py.j2", dict(params), note="the alpha stage"),
+            FakeStage("beta", "fake/stage.py.j2", {**params, "extra": 1}, note="the beta stage"),
         ),
+        summary=f"fixture summary for {spec.arch}",
     )
 
 
@@ -69,12 +72,13 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, P
 
 @pytest.fixture
 def use_fakes(monkeypatch: pytest.MonkeyPatch, fixture_templates: Path) -> None:
-    """Make kdagen.render (and the CLI through it) use the fixture templates and the fake planner."""
+    """Make kdagen.render and kdagen.tree (and the CLI through them) use the fixture templates and the fake
+    planner."""
     import kdagen.paths
-    import kdagen.render
+    import kdagen.tree
 
     monkeypatch.setattr(kdagen.paths, "templates_dir", lambda: fixture_templates)
-    monkeypatch.setattr(kdagen.render, "default_planner", lambda: fake_plan)
+    monkeypatch.setattr(kdagen.tree, "default_planner", lambda: fake_plan)
 
 
 def write_spec_file(path: Path, text: str) -> Path:

@@ -76,9 +76,10 @@ def test_list(workdir: Path):
     assert r.exit_code == 0, r.output
     rows = _rows(r.output)
     assert set(rows) == {"specs/sm100.yaml:b200", "specs/sm90.yaml:k128", "specs/sm90.yaml:k128-gva2"}
-    assert "compile-only: no Blackwell GPU" in rows["specs/sm100.yaml:b200"]
+    assert "no: compiled and inspected here, never" in rows["specs/sm100.yaml:b200"]
     assert "yes: H100/H200" in rows["specs/sm90.yaml:k128"]
-    assert "fixture planner for sm_90a" in rows["specs/sm90.yaml:k128"]
+    assert "fixture summary for sm_90a" in rows["specs/sm90.yaml:k128"]  # the one-line reason
+    assert "fixture planner" not in r.output  # the full reason is behind --why
     assert "alpha, beta" in rows["specs/sm90.yaml:k128"]
     assert all(line.rstrip(" │").endswith("no") for line in rows.values())
 
@@ -89,6 +90,34 @@ def test_list(workdir: Path):
     rows = _rows(run("list", "specs/sm90.yaml").output)
     assert rows["specs/sm90.yaml:k128"].rstrip(" │").endswith("yes")
     assert rows["specs/sm90.yaml:k128-gva2"].rstrip(" │").endswith("no")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100a"])
+def test_list_says_compiled_never_run(workdir: Path, arch: str):
+    (workdir / "specs" / "other.yaml").write_text(f"defaults: {{arch: {arch}}}\nvariants: [{{name: v}}]\n")
+    r = CliRunner().invoke(cli, ["list", "specs/other.yaml"], catch_exceptions=False, env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    row = _rows(r.output)["specs/other.yaml:v"]
+    gpu = {"sm_80": "A100", "sm_89": "L40S/RTX 4090", "sm_100a": "B200"}[arch]
+    assert f"no: compiled and inspected here, never run (no {gpu} GPU)" in row
+
+
+def test_list_why(workdir: Path):
+    r = run("list", "--why", "specs/sm90.yaml", "specs/sm100.yaml")
+    assert r.exit_code == 0, r.output
+    _, spec = resolve_spec("specs/sm90.yaml:k128")
+    text = r.output.split("\ncache: ", 1)[1]
+    assert f"\nspecs/sm90.yaml:k128  ({spec.slug()})\n  family: fake\n  reason:\n" in text
+    assert "    fixture planner for sm_90a\n    second line of the reason\n" in text
+    stages = [
+        "  stages:",
+        "    alpha (fake/stage.py.j2): the alpha stage",
+        "    beta (fake/stage.py.j2): the beta stage",
+    ]
+    assert "\n".join(stages) + "\n" in text
+    assert "  runs: yes: H100/H200" in text
+    assert "specs/sm100.yaml:b200  (" in text
+    assert "  runs: no: compiled and inspected here, never run (no B200 GPU)" in text
 
 
 def test_list_shows_spec_errors_cleanly(workdir: Path):

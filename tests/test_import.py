@@ -41,7 +41,8 @@ def test_public_names():
 
 def test_cpu_modules_are_light():
     code = (
-        "import kdagen.spec, kdagen.arch, kdagen.keys, kdagen.cache, kdagen.render, kdagen.paths, kdagen.cli"
+        "import kdagen.spec, kdagen.arch, kdagen.keys, kdagen.cache, kdagen.render, kdagen.paths, "
+        "kdagen.cli, kdagen.tree, kdagen.version, kdagen.dtypes, kdagen.plan, kdagen.workspace"
     )
     assert _heavy_after(code) == []
 

@@ -32,6 +32,20 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
     }
 
 
+def test_summary_and_stage_notes():
+    # `kdagen list` shows the summary in a line and the notes behind --why; neither is rendered.
+    plan = make_plan(KernelSpec(arch="sm_90a"))
+    assert plan.summary == (
+        "the faster recurrence on Hopper; fused kernel when the chains fill the SMs, CTA pairs at half"
+    )
+    assert all(s.note for s in plan.stages)
+    assert make_plan(KernelSpec(arch="sm_90a", family="mma_sync")).summary == "requested in the spec"
+    sm80 = make_plan(KernelSpec(arch="sm_80"))
+    assert sm80.summary == "the only family for sm_80"
+    notes = {s.name: s.note for s in sm80.stages}
+    assert "beside" not in notes["prepare"] and notes["forward"].endswith("the recurrence after it")  # no PDL
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_100a"])
 def test_other_targets_are_mma_sync(arch: str):
     plan = make_plan(KernelSpec(arch=arch))

@@ -103,7 +103,10 @@ def test_frozen_hashable_picklable():
         ({"state_dtype": "bf16"}, "field 'state_dtype': expected one of 'fp32', got 'bf16'"),
         ({"hed_dim_k": 128}, "field 'hed_dim_k': unknown field (did you mean 'head_dim_k'?)"),
         ({"safe_gate": "yes"}, "field 'safe_gate': expected true or false, got 'yes'"),
-        ({"chunk_size": 24}, "field 'chunk_size': expected a power of two in [16, 128], got 24"),
+        (
+            {"chunk_size": 64},
+            "field 'chunk_size': expected 16 (tokens per recurrence step, the only size built), got 64",
+        ),
         ({"chunk_size": 16.0}, "field 'chunk_size': expected an integer, got 16.0"),
         ({"lower_bound": "x"}, "field 'lower_bound': expected a number or null, got 'x'"),
         ({"lower_bound": float("nan")}, "field 'lower_bound': expected a finite number, got nan"),
@@ -157,13 +160,12 @@ def test_several_problems_are_reported_together():
 
 def test_arch_records():
     assert set(get_args(KernelSpec.model_fields["arch"].annotation)) == set(arch_mod.ARCHS)
-    b200 = arch_mod.get_arch("sm_100a")
-    assert not b200.can_run_here
-    assert b200.note == "compiled and inspected only: no Blackwell GPU in this project"
-    assert b200.run_here == "compile-only: no Blackwell GPU"
+    assert [a.name for a in arch_mod.ARCHS.values() if a.runs_here] == ["sm_90a"]
+    assert arch_mod.get_arch("sm_90a").runs == "yes: H100/H200"
+    for name, gpu in (("sm_80", "A100"), ("sm_89", "L40S/RTX 4090"), ("sm_100a", "B200")):
+        assert arch_mod.get_arch(name).runs == f"no: compiled and inspected here, never run (no {gpu} GPU)"
     assert arch_mod.get_arch("sm_90a").smem_bytes_per_block == 227 * 1024
     assert arch_mod.get_arch("sm_80").smem_bytes_per_block == 163 * 1024
-    assert [a.num_sms_hint for a in arch_mod.ARCHS.values()] == [108, 142, 132, 148]
     for a in arch_mod.ARCHS.values():
         assert "mma_sync" in a.families
     assert (
@@ -172,19 +174,26 @@ def test_arch_records():
     )
 
 
-def test_capabilities_refuse_chunk_size_for_mma_sync():
-    spec = BASE.replace(chunk_size=64, family="mma_sync")  # structurally valid: a family may take it one day
-    msg = _err(validate_capabilities, spec, source="specs/sm90.yaml", variant="c64")
-    assert msg.startswith("specs/sm90.yaml: variant 'c64': field 'chunk_size': the mma_sync family supports ")
-    assert "chunk_size 16 only, got 64" in msg
+def test_chunk_size_is_the_built_one_only():
+    # Every family steps arch.CHUNK tokens; any other chunk size is refused by the spec itself.
+    assert KernelSpec(arch="sm_90a").chunk_size == arch_mod.CHUNK == 16
+    for size in (8, 32, 64, 128):
+        assert _err(BASE.replace, chunk_size=size) == (
+            f"KernelSpec.replace: field 'chunk_size': expected 16 (tokens per recurrence step, "
+            f"the only size built), got {size}"
+        )
     validate_capabilities(BASE)
 
 
-def test_capabilities_auto_names_every_family_tried():
-    msg = _err(validate_capabilities, BASE.replace(chunk_size=64), source="specs/sm90.yaml", variant="c64")
+def test_capabilities_auto_names_every_family_tried(monkeypatch: pytest.MonkeyPatch):
+    families = dict(arch_mod.FAMILIES)
+    for name in families:
+        families[name] = replace(families[name], head_dims=(128,))
+    monkeypatch.setattr(arch_mod, "FAMILIES", families)
+    msg = _err(validate_capabilities, BASE.replace(head_dim_k=64), source="specs/sm90.yaml", variant="k64")
     lines = msg.splitlines()
-    families = [line.split("field 'chunk_size': the ")[1].split(" family")[0] for line in lines]
-    assert families == ["wgmma", "mma_sync"]
+    tried = [line.split("field 'head_dim_k': the ")[1].split(" family")[0] for line in lines]
+    assert tried == ["wgmma", "mma_sync"]
     assert all(line.endswith("(family 'auto' on sm_90a tried wgmma, mma_sync)") for line in lines)
 
 
@@ -263,10 +272,8 @@ def test_file_reports_every_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         load_spec_file(path)
     assert ei.value.problems == [
         "specs/sm90.yaml: variant 'a': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3",
-        "specs/sm90.yaml: variant 'b': field 'chunk_size': the wgmma family supports chunk_size 16 only, "
-        "got 64 (family 'auto' on sm_90a tried wgmma, mma_sync)",
-        "specs/sm90.yaml: variant 'b': field 'chunk_size': the mma_sync family supports chunk_size 16 only, "
-        "got 64 (family 'auto' on sm_90a tried wgmma, mma_sync)",
+        "specs/sm90.yaml: variant 'b': field 'chunk_size': expected 16 (tokens per recurrence step, "
+        "the only size built), got 64",
         "specs/sm90.yaml: variant 'a': duplicate name (first at variant #1)",
     ]
 
@@ -341,7 +348,7 @@ def test_resolve_spec_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     )
     assert "holds 7 variants; name one as 'specs/sm90.yaml:<name>'" in _err(resolve_spec, path)
     assert _err(resolve_spec, {"arch": "sm_90a", "gva_ratio": 5}).startswith("spec dict: field 'gva_ratio'")
-    assert "field 'chunk_size'" in _err(resolve_spec, BASE.replace(chunk_size=32))
+    assert "field 'chunk_size'" in _err(resolve_spec, {"arch": "sm_90a", "chunk_size": 32})
     assert "got int" in _err(resolve_spec, 3)
 
 
@@ -370,7 +377,7 @@ def _key(spec: KernelSpec, rendered=RENDERED, options=OPTIONS, toolchain=TOOLCHA
 def _alternatives(field: str) -> list[Any]:
     ann = KernelSpec.model_fields[field].annotation
     if field == "chunk_size":
-        return [16, 32, 64, 128]
+        return [16]
     if field == "lower_bound":
         return [None, -5.0, -2.5, -1.0, -0.5, -8.0]
     if ann is bool:
@@ -405,7 +412,7 @@ def test_key_is_injective_in_every_field():
                 assert other.digest() != base.digest()
                 assert seen.setdefault(k, other) == other, "two different specs share a key"
     single_valued = {f for f in KernelSpec.model_fields if len(_alternatives(f)) == 1}
-    assert single_valued == {"state_dtype"}  # extend _alternatives when a field gains a value
+    assert single_valued == {"chunk_size", "state_dtype"}  # extend _alternatives when a field gains a value
     assert changed_fields == set(KernelSpec.model_fields) - single_valued
 
 
