@@ -237,6 +237,28 @@ def check(data: dict[str, Any], costs: CostModel = COSTS, tol: float = TOLERANCE
     return {"rows": rows, "summary": summary}
 
 
+def fit(data: dict[str, Any], grid: str, base: CostModel = COSTS, tol: float = TOLERANCE,
+        top: int = 5) -> list[tuple[tuple[float, ...], CostModel, dict[str, Any]]]:
+    """Every combination of the constants in `grid` (``name=v1/v2/...,name=...``) checked against the
+    sweep, best first: fewest points over `tol` x best plus points where the time falls as T grows, then
+    the lowest geomean of auto / best, then the lowest max."""
+    import itertools
+
+    facts = facts_of(data)
+    axes = []
+    for part in grid.split(","):
+        name, _, values = part.partition("=")
+        axes.append([f"{name.strip()}={v}" for v in values.split("/")])
+    scored = []
+    for combo in itertools.product(*axes):
+        costs = parse_costs(",".join(combo), base)
+        s = check(data, costs, tol, facts)["summary"]
+        key = (s["slow"] + s["falls"], s["geomean_ratio"] or 0.0, s["max_ratio"] or 0.0)
+        scored.append((key, costs, s))
+    scored.sort(key=lambda x: x[0])
+    return scored[:top]
+
+
 def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -412,6 +434,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", type=Path, metavar="FILE.json",
                    help="re-evaluate the current policy against a recorded sweep (CPU)")
     p.add_argument("--costs", help="CostModel constants for --check, name=value,... (tuples as a/b/c)")
+    p.add_argument("--fit", metavar="NAME=V1/V2,...",
+                   help="with --check: try every combination of these CostModel values, print the best")
     p.add_argument("--json", action="store_true", help="with --check: print the result as JSON")
     return p.parse_args(argv)
 
@@ -420,7 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.check is not None:
         data = json.loads(args.check.read_text())
-        result = check(data, parse_costs(args.costs), args.tolerance)
+        base = parse_costs(args.costs)
+        if args.fit:
+            for _, costs, s in fit(data, args.fit, base, args.tolerance):
+                changed = {k: v for k, v in dataclasses.asdict(costs).items() if getattr(COSTS, k) != v}
+                print(f"{s['slow']} slow, {s['falls']} falls, geomean {_f(s['geomean_ratio'])}, "
+                      f"max {_f(s['max_ratio'])}: {changed}")
+            return 0
+        result = check(data, base, args.tolerance)
         if args.json:
             print(json.dumps(result, indent=1))
         else:

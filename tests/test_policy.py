@@ -340,3 +340,12 @@ def test_markdown_and_summary_of_a_sweep():
     assert data["summary"]["slow"] == 1 and data["summary"]["falls"] == 1  # the recorded auto at T=8192
     md = bench_policy.markdown(data)
     assert "| 4 | 1 | 8192 | 0.516 |" in md and "slow falls" not in md
+
+
+def test_fit_ranks_constants_by_the_check():
+    data = json.loads(FIXTURE.read_text())
+    ranked = bench_policy.fit(data, "min_segment=512/2048,cp_margin=0.9/5")
+    assert len(ranked) == 4
+    best_key, best_costs, best_summary = ranked[0]
+    assert best_costs.min_segment == 2048 and best_summary["slow"] == 0
+    assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
