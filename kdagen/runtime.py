@@ -111,7 +111,13 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = Non
 
 
 class KDAKernel:
-    """A loaded, ready-to-call KDA forward for one spec."""
+    """A loaded, ready-to-call KDA forward for one spec.
+
+    Scheduling (intra-card CP, prepare beside the recurrence, the fused kernel and its pair form, sequence
+    order) follows a `kdagen.policy.SchedulePolicy`: the kernel's own (`policy`; `default_policy()` unless
+    given), a view's (`with_policy`), or a call's (``policy=``). Decisions are pure functions of the call's
+    sizes (`kdagen.policy.schedule`), cached per size; no environment is read per call.
+    """
 
     def __init__(self, spec: KernelSpec, plan: Plan, stages: dict[str, Callable], name: str | None = None,
                  policy: SchedulePolicy | Mapping[str, Any] | None = None):
