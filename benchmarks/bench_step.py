@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -83,19 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", choices=("auto", "wgmma", "mma_sync"), default="auto",
                     help="template family of the recurrence (auto: the planner's choice, wgmma on sm_90a)")
     ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
-                    help="KDAGEN_FUSED for the calls (auto: the setup kernel's choice, as in production)")
+                    help="the policy's fused choice (auto: the setup kernel's, as in production)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step: no CUDA GPU visible; nothing to run")
         return 2
 
     import kdagen
+    from kdagen.policy import SchedulePolicy
     from kdagen.reference import make_inputs
 
     kernel = kdagen.get_kernel({**SPEC, "family": args.family})
     steps = -(-args.tokens // 16)
     rows = []
-    os.environ["KDAGEN_FUSED"] = args.fused
     print(f"{torch.cuda.get_device_name()}: one sequence of {args.tokens} tokens ({steps} steps), K=V=128, "
           f"family {kernel.plan.family}, fused {args.fused}")
     print(f"{'heads':>5} {'cp':>4} {'prepare ms':>11} {'recurrence ms':>14} {'fused ms':>9} {'merge ms':>9} "
@@ -107,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "cu_seqlens": inp["cu_seqlens"],
               "output_final_state": True}
         for cp in ("off", "auto"):
-            os.environ["KDAGEN_INTRACARD_CP"] = cp
-            def call(inp=inp, kw=kw):
-                return kernel(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+            run = kernel.with_policy(SchedulePolicy(intracard_cp=cp, fused=args.fused))
+
+            def call(inp=inp, kw=kw, run=run):
+                return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
 
             t = stage_times_ms(call, args.iters)
             chain, chain_t = chain_ms(t)
@@ -122,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             step_txt = f"{per_step:8.3f}" if per_step is not None else f"{'-':>8}"
             print(f"{heads:>5} {cp:>4} {row['prepare_ms']:11.3f} {row['recurrence_ms']:14.3f} "
                   f"{row['fused_ms']:9.3f} {row['merge_ms']:9.3f} {step_txt}")
-    os.environ.pop("KDAGEN_INTRACARD_CP", None)
-    os.environ.pop("KDAGEN_FUSED", None)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         data = {"device": torch.cuda.get_device_name(), "tokens": args.tokens, "family": kernel.plan.family,
@@ -143,7 +141,7 @@ def markdown(data: dict) -> str:
         "With `cp=off` the recurrence is the serial chain, so its time per step is the step latency; "
         "`cp=auto` uses intra-card context parallelism where the runtime rule picks it "
         "(recurrence = prescan + segment pass). Where the fused prepare + recurrence kernel ran "
-        f"(KDAGEN_FUSED {data.get('fused', 'auto')}), the steps are timed from it: an upper bound, its "
+        f"(fused {data.get('fused', 'auto')}), the steps are timed from it: an upper bound, its "
         "prepare warps sharing the time.", "",
         "| heads | cp | prepare ms | recurrence ms | fused ms | merge ms | us/step |",
         "|---|---|---|---|---|---|---|",

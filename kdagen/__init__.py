@@ -24,6 +24,7 @@ from kdagen.spec import KernelSpec, load_spec_file, resolve_spec
 from kdagen.version import __version__
 
 if TYPE_CHECKING:
+    from kdagen.policy import SchedulePolicy
     from kdagen.runtime import KDAKernel
 
 __all__ = [
@@ -42,15 +43,25 @@ __all__ = [
 ]
 
 
-def get_kernel(spec: KernelSpec | dict[str, Any] | str, force: bool = False) -> KDAKernel:
+def get_kernel(
+    spec: KernelSpec | dict[str, Any] | str,
+    policy: SchedulePolicy | dict[str, Any] | None = None,
+    force: bool = False,
+) -> KDAKernel:
     """A ready KDA forward for `spec` (a `KernelSpec`, a dict of fields, or ``"specs/sm90.yaml:<name>"``).
 
     Builds into the cache on a miss (or raises `CacheMissError` under ``KDAGEN_DISABLE_JIT=1``), then loads.
     Call it as ``o, final_state = kernel(q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None,
-    initial_state=None, output_final_state=False, cu_seqlens=None)``. A repeated call with the same argument
-    returns the kernel loaded before from memory; `force` rebuilds and reloads.
+    initial_state=None, output_final_state=False, cu_seqlens=None, policy=None)``. A repeated call with the
+    same argument returns the kernel loaded before from memory; `force` rebuilds and reloads.
+
+    `policy` (a `kdagen.policy.SchedulePolicy` or a dict of its fields) schedules the kernel's calls; without
+    it they follow `kdagen.policy.default_policy()` (every choice automatic unless the ``KDAGEN_*``
+    scheduling variables, read once per process, say otherwise). The kernel with a policy is a view of the
+    one loaded for the spec (`KDAKernel.with_policy`): nothing is loaded twice.
     """
     # Lazy: the build layer imports cutlass and tvm_ffi, which `import kdagen` must not.
     from kdagen.build import get_kernel as _g
 
-    return _g(spec, force=force)
+    kernel = _g(spec, force=force)
+    return kernel if policy is None else kernel.with_policy(policy)

@@ -15,6 +15,10 @@ Environment variables (read on every call, so tests and long-lived processes see
 - ``KDAGEN_GENERATED_DIR``: where rendered sources are written; default ``<repo>/generated``.
 - ``KDAGEN_DISABLE_JIT``: ``1``/``true``/``yes``/``on`` turns a cache miss into `CacheMissError`
   (serving must not compile).
+
+The scheduling variables (``KDAGEN_INTRACARD_CP``, ``KDAGEN_OVERLAP``, ``KDAGEN_FUSED``,
+``KDAGEN_FUSED_PAIR``, ``KDAGEN_SEQ_ORDER``; `SCHEDULE_ENV`) are different: an override of the default
+`kdagen.policy.SchedulePolicy` for experiments, read once per process by `kdagen.policy.default_policy`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -45,11 +50,8 @@ __all__ = [
     "jit_disabled",
     "find_spec_file",
     "load_module",
-    "intracard_cp",
-    "overlap",
-    "fused",
-    "fused_pair",
-    "seq_order",
+    "SCHEDULE_ENV",
+    "schedule_env",
 ]
 
 ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
@@ -60,6 +62,14 @@ ENV_OVERLAP = "KDAGEN_OVERLAP"
 ENV_FUSED = "KDAGEN_FUSED"
 ENV_FUSED_PAIR = "KDAGEN_FUSED_PAIR"
 ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
+# The scheduling override (kdagen.policy): SchedulePolicy field -> environment variable.
+SCHEDULE_ENV = {
+    "intracard_cp": ENV_INTRACARD_CP,
+    "overlap": ENV_OVERLAP,
+    "fused": ENV_FUSED,
+    "fused_pair": ENV_FUSED_PAIR,
+    "seq_order": ENV_SEQ_ORDER,
+}
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -159,52 +169,15 @@ def load_module(name: str, path: str | os.PathLike[str]) -> ModuleType:
     return module
 
 
-def intracard_cp() -> str | int:
-    """``KDAGEN_INTRACARD_CP``: "auto" (default: the runtime decides), "off", or a segment length in
-    tokens (a positive multiple of 16) that forces intra-card context parallelism with that length."""
-    value = os.environ.get(ENV_INTRACARD_CP, "").strip().lower() or "auto"
-    if value in ("auto", "off"):
-        return value
-    if value.isdigit() and int(value) > 0 and int(value) % 16 == 0:
-        return int(value)
-    raise ValueError(
-        f"{ENV_INTRACARD_CP}: expected 'auto', 'off' or a positive multiple of 16, got {value!r}"
-    )
-
-
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The value of the environment variable `name` (lower-cased; unset or empty is the first choice), which
-    must be one of `choices`."""
-    value = os.environ.get(name, "").strip().lower() or choices[0]
-    if value not in choices:
-        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
-        raise ValueError(f"{name}: expected {listed}, got {value!r}")
-    return value
-
-
-def overlap() -> str:
-    """``KDAGEN_OVERLAP``: "auto" (default: the recurrence runs beside prepare when its grid fits one CTA per
-    SM), "on" (always, except under intra-card context parallelism) or "off" (the recurrence starts after
-    prepare ends)."""
-    return _env_choice(ENV_OVERLAP, ("auto", "on", "off"))
-
-
-def fused() -> str:
-    """``KDAGEN_FUSED``: "auto" (default: where the variant has a fused prepare + recurrence kernel, the
-    forward stage's setup kernel runs it when the call's chains fill the SMs), "on" (the fused kernel on every
-    whole-sequence call of such a variant) or "off" (prepare and the recurrence)."""
-    return _env_choice(ENV_FUSED, ("auto", "on", "off"))
-
-
-def fused_pair() -> str:
-    """``KDAGEN_FUSED_PAIR``: "auto" (default: where the variant has the fused kernel's CTA-pair form, the
-    fused kernel runs in pairs on calls whose chains fill at most half the SMs) or "off" (one CTA a chain
-    always)."""
-    return _env_choice(ENV_FUSED_PAIR, ("auto", "off"))
-
-
-def seq_order() -> str:
-    """``KDAGEN_SEQ_ORDER``: "auto" (default: the recurrence takes sequences longest first when its grid does
-    not fit the SMs at once), "length" (longest first whenever there are two sequences or more) or "input"
-    (the order of ``cu_seqlens``)."""
-    return _env_choice(ENV_SEQ_ORDER, ("auto", "length", "input"))
+def schedule_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The scheduling variables that are set (non-empty), stripped and lower-cased, by `SchedulePolicy`
+    field name. Parsed and validated by `kdagen.policy.SchedulePolicy.from_env`, which
+    `kdagen.policy.default_policy` calls once per process: an override for experiments, not a per-call
+    switch."""
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for name, var in SCHEDULE_ENV.items():
+        value = env.get(var, "").strip().lower()
+        if value:
+            out[name] = value
+    return out

@@ -25,17 +25,20 @@ Contract (what is validated, what is the caller's duty):
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from kdagen import paths, workspace
+from kdagen import workspace
 from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
-from kdagen.plan import CHUNK, MAX_RANKED_SEQS, Plan
+from kdagen.plan import CHUNK, Plan
+from kdagen.policy import PlanFacts, Schedule, SchedulePolicy, default_policy
+from kdagen.policy import schedule as decide
 from kdagen.spec import KernelSpec
 
 _TORCH_DTYPE = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}
@@ -239,9 +242,16 @@ def validate_inputs(
 
 
 class KDAKernel:
-    """A loaded, ready-to-call KDA forward for one spec."""
+    """A loaded, ready-to-call KDA forward for one spec.
 
-    def __init__(self, spec: KernelSpec, plan: Plan, stages: dict[str, Callable], name: str | None = None):
+    Scheduling (intra-card CP, prepare beside the recurrence, the fused kernel and its pair form, sequence
+    order) follows a `kdagen.policy.SchedulePolicy`: the kernel's own (`policy`; `default_policy()` unless
+    given), a view's (`with_policy`), or a call's (``policy=``). Decisions are pure functions of the call's
+    sizes (`kdagen.policy.schedule`), cached per size; no environment is read per call.
+    """
+
+    def __init__(self, spec: KernelSpec, plan: Plan, stages: dict[str, Callable], name: str | None = None,
+                 policy: SchedulePolicy | Mapping[str, Any] | None = None):
         self.spec = spec
         self.plan = plan
         self.name = name
@@ -249,18 +259,13 @@ class KDAKernel:
         self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         params = {s.name: s.params for s in plan.stages}
-        self._v_slices = spec.head_dim_v // params["recurrence"]["block_v"]
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
         self._prepare_heads_per_cta = params["prepare"]["heads_per_cta"]
-        # The fused prepare + recurrence kernel, when the variant has one (compiled into `forward`).
-        fused = params["forward"].get("fused")
-        self._fused_margin = params["forward"]["fused_margin"] if fused else None
-        self._fused_fill = params["forward"]["fused_fill_steps"] if fused else 0
-        # Its CTA-pair form, when the variant has one: what a step of a pair costs in one-CTA steps.
-        pair = params["forward"].get("fused_pair")
-        self._pair_step = params["forward"]["fused_pair_step"] if pair else None
-        self._pair_margin = params["forward"]["fused_pair_margin"] if pair else None
+        # What the scheduling decisions need of the plan, and the policy they follow (kdagen.policy).
+        self._facts = PlanFacts.from_plan(spec, plan)
+        self._policy: SchedulePolicy = SchedulePolicy.coerce(policy) or default_policy()
+        self._schedules: dict[tuple, Schedule] = {}
         self._dummies: dict[tuple, torch.Tensor] = {}
         self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
         self._validated: dict[tuple, tuple[int, int, int, int, int]] = {}  # signature -> (B, T, H, HV, N)
@@ -274,99 +279,49 @@ class KDAKernel:
     def _state_shape(self, n: int, hv: int) -> tuple[int, int, int, int]:
         return state_shape(self.spec, n, hv)
 
+    @property
+    def policy(self) -> SchedulePolicy:
+        """The scheduling policy of this kernel's calls (a call's ``policy=`` overrides it for that call)."""
+        return self._policy
+
+    def with_policy(self, policy: SchedulePolicy | Mapping[str, Any]) -> KDAKernel:
+        """A view of this kernel whose calls use `policy` (a `SchedulePolicy` or a dict of its fields).
+
+        The view shares the loaded stages, the helper tensors and the validated call signatures with this
+        kernel (nothing is loaded or compiled again) and keeps its own cache of decisions; this kernel is
+        unchanged."""
+        view = copy.copy(self)
+        view._policy = SchedulePolicy.coerce(policy)  # type: ignore[assignment]
+        view._schedules = {}
+        return view
+
+    def schedule(self, num_seqs: int, total_tokens: int, num_v_heads: int, sms: int,
+                 policy: SchedulePolicy | None = None) -> Schedule:
+        """The decisions (`kdagen.policy.Schedule`) a call of this size makes on a device of `sms` SMs under
+        `policy` (default: the kernel's). Pure host work; calls cache it per size."""
+        policy = self._policy if policy is None else policy
+        return decide(num_seqs, total_tokens, num_v_heads, sms, self._facts, policy)
+
     def cp_segment_len(
         self, num_seqs: int, total_tokens: int, num_v_heads: int, device: torch.device | None = None
     ) -> int | None:
         """Segment length intra-card CP would use for a call of this size on `device` (default: the current
-        CUDA device), or None for whole sequences: the rule a call applies (`KDAGEN_INTRACARD_CP` included),
-        for tools that report the schedule, such as the benchmark's serial floor."""
+        CUDA device) under the kernel's policy, or None for whole sequences, for tools that report the
+        schedule, such as the benchmark's serial floor."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        rec_ctas = num_seqs * num_v_heads * self._v_slices
-        return self._cp_segment_len(num_seqs, total_tokens, rec_ctas, self._sm_count(device))
+        return self.schedule(num_seqs, total_tokens, num_v_heads, self._sm_count(device)).seg_len
 
-    def _cp_segment_len(self, nseq: int, total: int, rec_ctas: int, sms: int) -> int | None:
-        """Segment length for intra-card context parallelism, or None to run whole sequences.
-
-        Decided from host-known sizes only (no reading of cu_seqlens): worth it when the recurrence grid
-        (sequences x heads x V-slices) leaves room for at least four segments per sequence on the SMs and
-        sequences are long on average. Then sequences are cut into segments of at least 1024 tokens, as many
-        as fill the SMs twice in the segment pass but not more than the merge chain repays (fast-kda.md §D).
-        The four: a prescan step plus a segment step cost ~2.4 us against ~0.8 us for a plain step (H200,
-        loaded), so fewer segments lose; measured at T=16384 on an H200, 16 heads (4 segments) run the
-        recurrence in 0.48 ms against 0.80 ms without CP, 32 heads (2 segments) in 1.23 ms against 0.83 ms.
-        """
-        policy = paths.intracard_cp()
-        if policy == "off":
-            return None
-        if isinstance(policy, int):
-            return policy
-        if 4 * rec_ctas > sms or total < 4096 * nseq:
-            return None
-        # Segments for two CTAs per SM in the segment pass, but no more than about sqrt(steps / 4): the merge
-        # walks the segments one after another (~2 us each), while the parallel passes cost a few us per step
-        # of one segment, and the sum of the two is least there. Measured on an H100 (one sequence, ms,
-        # against the earlier rule of one CTA per SM): T=65536 H=4 0.683 (2048 tokens) vs 0.716 (4096);
-        # T=16384 H=16 0.641 vs 0.699; T=32768 H=8 0.665 vs 0.696; T=16384 H=8 0.372 (1024) vs 0.376 (2048);
-        # T=65536 H=2 keeps ~2000 (0.446; 1312 tokens, 50 segments, took 0.490).
-        steps = -(-total // (CHUNK * nseq))  # per sequence, on average
-        fill = max(1, sms // rec_ctas)  # segments per sequence that put one CTA on every SM
-        segments = max(2, min(2 * fill, round(math.sqrt(steps / 4))))
-        seg = -(-total // (segments * nseq))
-        return max(1024, -(-seg // CHUNK) * CHUNK)
-
-    def _fused_args(self, nseq: int, hv: int, total: int, sms: int) -> tuple[int, ...]:
-        """The forward stage's (allow_fused, sms) arguments where the variant has a fused kernel, else none,
-        and its `pair` argument where the variant has the CTA-pair form.
-
-        0 runs prepare and the recurrence; 1 lets the setup kernel choose from the lengths; 2 runs the fused
-        kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is settled
-        here from the sizes the host knows, which also spares it the fused kernel's launch (a persistent
-        grid of up to one 200 KB CTA per SM that would find the queue empty and exit). The
-        setup kernel picks the fused kernel when max(longest, waves x mean) + F <= margin x sum x HV / SMs
-        (steps, F = the fill steps; when `pair` is 1, the left side times the pair step and the pair form's
-        own margin). With mean = sum / N that needs sum x (margin x HV / SMs - waves x step / N) >= F x step,
-        which only gets truer as the sum grows; the sum is at most (total + 15 N) // 16, so a "no" at that
-        bound (with the smaller total / 16 / N on the left) is a "no" there too. `pair` is 1 where every
-        chain gets two CTAs at once (the pair form has no chain counter).
-        """
-        if self._fused_margin is None:
-            return ()
-        chains = nseq * hv
-        # The pair form takes two CTAs a chain and no more than one pair a chain (no chain counter), so it
-        # runs only where every chain gets its pair at once.
-        pair: tuple[int, ...] = ()
-        if self._pair_step is not None:
-            pair = (int(0 < 2 * chains <= sms and paths.fused_pair() == "auto"),)
-        policy = paths.fused()
-        if policy == "off":
-            return (0, sms, *pair)
-        if policy == "on":
-            return (2, sms, *pair)
-        waves = -(-chains // sms)
-        low = waves * total / CHUNK / max(nseq, 1) + self._fused_fill
-        margin = self._fused_margin
-        if pair and pair[0]:
-            low *= self._pair_step
-            margin = self._pair_margin
-        high = margin * ((total + (CHUNK - 1) * nseq) // CHUNK) * hv / sms  # the sum of steps at most
-        return (int(nseq > 0 and low <= high), sms, *pair)
-
-    @staticmethod
-    def _by_length(nseq: int, rec_ctas: int, sms: int) -> bool:
-        """Whether the recurrence takes sequences longest first (the forward stage's setup kernel ranks them
-        on the device).
-
-        The recurrence's CTAs start in grid order, so when its grid does not fit the SMs at once a long
-        sequence late in `cu_seqlens` starts late and runs alone at the end (H100, H=64, 19 sequences of 431
-        tokens and one of 8195: 1.50 ms with it last, 1.32 ms with it first). Ranking adds O(N) work per
-        sequence to the setup kernel that zeroes the ready flags, so it is skipped where it cannot help: one
-        sequence, or a grid that fits one CTA per SM; and past MAX_RANKED_SEQS sequences.
-        `KDAGEN_SEQ_ORDER` overrides."""
-        if not 2 <= nseq <= MAX_RANKED_SEQS:  # checked first: a one-sequence call reads no environment
-            return False
-        policy = paths.seq_order()
-        return policy == "length" or (policy == "auto" and rec_ctas > sms)
+    def _schedule(self, nseq: int, total: int, hv: int, sms: int, policy: SchedulePolicy | None) -> Schedule:
+        # Cached per call size (and per policy for a call's own): the cost model weighs up to a dozen options.
+        key: tuple = (nseq, total, hv, sms) if policy is None or policy is self._policy else \
+            (nseq, total, hv, sms, policy)
+        found = self._schedules.get(key)
+        if found is None:
+            if len(self._schedules) >= _MAX_SIGNATURES:
+                self._schedules.clear()
+            found = self._schedules[key] = self.schedule(nseq, total, hv, sms, policy)
+        return found
 
     def _sm_count(self, device: torch.device) -> int:
         return self._cached(
@@ -410,7 +365,13 @@ class KDAKernel:
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        policy: SchedulePolicy | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of the spec: ``(o, final_state or None)``.
+
+        `policy` (a `kdagen.policy.SchedulePolicy`) schedules this call instead of the kernel's own
+        (`with_policy` makes a kernel view that keeps one); scheduling never changes the results beyond the
+        rounding of the chosen path (the fused paths are bit-identical to the two-stage path)."""
         spec = self.spec
         kdim, vdim = spec.head_dim_k, spec.head_dim_v
         dt = _TORCH_DTYPE[spec.dtype]
@@ -483,24 +444,20 @@ class KDAKernel:
             ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
             stream_scope = self._ffi.use_raw_stream(ffi_device, torch.cuda.current_stream(device).cuda_stream)
         sms = self._sm_count(device)
-        rec_ctas = nseq * hv * self._v_slices  # the recurrence grid (sequences x heads x V-slices)
-        seg_len = self._cp_segment_len(nseq, total, rec_ctas, sms)
+        sched = self._schedule(nseq, total, hv, sms, policy)
         items = ws.tile_slots * -(-hv // self._prepare_heads_per_cta)
         with stream_scope:
-            if seg_len is None:
-                # Prepare is a persistent grid (every CTA resident at once) that lets the recurrence launch at
-                # once (the recurrence follows the ready flags). When the recurrence grid fits one CTA per SM,
-                # prepare takes fewer CTAs per SM so that the two run side by side; otherwise the recurrence's
-                # CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them. Tokens past
-                # cu_seqlens[-1] (engine padding) get o = 0 from the recurrence itself.
-                policy = paths.overlap()
-                beside = policy == "on" or (policy == "auto" and rec_ctas <= sms)
-                prepare_ctas = max(1, min(items, self._prepare_ctas[1 if beside else 0] * sms))
+            if sched.seg_len is None:
+                # Prepare is a persistent grid (every CTA resident at once) that lets the recurrence launch
+                # at once (the recurrence follows the ready flags). Beside the recurrence (`sched.beside`)
+                # prepare takes fewer CTAs per SM so that the two run side by side; otherwise the
+                # recurrence's CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them.
+                # Tokens past cu_seqlens[-1] (engine padding) get o = 0 from the recurrence itself.
+                prepare_ctas = max(1, min(items, self._prepare_ctas[1 if sched.beside else 0] * sms))
                 self._forward(q, k, g, beta, *gate_args, cu, v, h0, ht_arg, o, buf, ws.qd, ws.akt, ws.aq,
                               ws.gt, ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1,
-                              int(initial_state is not None), int(ht is not None),
-                              int(self._by_length(nseq, rec_ctas, sms)),
-                              *self._fused_args(nseq, hv, total, sms))
+                              int(initial_state is not None), int(ht is not None), int(sched.by_length),
+                              *sched.fused_args)
                 return o, ht
             buf = buf.view(-1)
             kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
@@ -518,6 +475,7 @@ class KDAKernel:
                           beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready, float(scale),
                           prepare_ctas, 0)
             prescan, merge, segments = self._cp
+            seg_len = sched.seg_len
             slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles
             cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
             seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)

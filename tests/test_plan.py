@@ -1,14 +1,13 @@
 """Planner choices that the runtime and templates rely on (CPU only): family per target, which template each
-stage of a family uses, and the prepare-beside-recurrence parameters; plus the runtime policy variables."""
+stage of a family uses, and the prepare-beside-recurrence parameters (the run-time scheduling decisions are
+tested in tests/test_policy.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdagen import paths
 from kdagen.arch import get_arch
 from kdagen.plan import _prepare_warp_smem, make_plan
-from kdagen.runtime import KDAKernel
 from kdagen.spec import KernelSpec
 
 
@@ -102,43 +101,6 @@ def test_fused_kernel_fits_one_cta_per_sm(head_dim_k: int, head_dim_v: int, g_dt
 
 
 @pytest.mark.parametrize(
-    ("policy", "nseq", "total", "expected"),
-    [("auto", 1, 16384, (0, 132)),  # 64 chains: half the SMs
-     ("auto", 2, 32768, (1, 132)),  # 128 chains of 1024 steps: the setup kernel decides
-     ("auto", 20, 4096, (1, 132)),  # ten waves of ~13-step chains: the setup kernel decides
-     ("auto", 60, 4096, (1, 132)),  # thirty waves of ~4-step chains: the setup kernel decides
-     ("auto", 3, 6144, (0, 132)),  # 192 chains: a second wave under half full
-     ("auto", 2, 1024, (1, 132)),  # 32 steps a chain: too close to call here
-     ("auto", 0, 0, (0, 132)),
-     ("on", 1, 16, (2, 132)), ("off", 2, 32768, (0, 132))],
-)
-def test_fused_policy(
-    monkeypatch: pytest.MonkeyPatch, policy: str, nseq: int, total: int, expected: tuple[int, int]
-):
-    # "auto" leaves the choice to the setup kernel (1) unless its rule could never pick the fused kernel for
-    # the call's sizes (0: then the fused kernel is not even launched). H = 64 value heads, 132 SMs; one CTA
-    # a chain (the pair form below).
-    monkeypatch.setenv(paths.ENV_FUSED, policy)
-    monkeypatch.setenv(paths.ENV_FUSED_PAIR, "off")
-    spec = KernelSpec(arch="sm_90a")
-    plan = make_plan(spec)
-    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
-    assert kernel._fused_args(nseq, 64, total, 132) == (*expected, 0)
-    plain = KernelSpec(arch="sm_90a", family="mma_sync")
-    other = KDAKernel(plain, make_plan(plain), dict.fromkeys(make_plan(plain).stage_names, lambda *a: None))
-    assert other._fused_args(nseq, 64, total, 132) == ()  # no fused kernel: forward takes no such arguments
-
-
-def test_fused_policy_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(paths.ENV_FUSED, "sometimes")
-    with pytest.raises(ValueError, match="KDAGEN_FUSED"):
-        paths.fused()
-    monkeypatch.setenv(paths.ENV_FUSED_PAIR, "on")
-    with pytest.raises(ValueError, match="KDAGEN_FUSED_PAIR"):
-        paths.fused_pair()
-
-
-@pytest.mark.parametrize(
     ("overrides", "warps"),
     [({}, 4),
      ({"head_dim_k": 64}, 4),
@@ -172,31 +134,6 @@ def test_fused_pair_form_in_the_plan(overrides: dict, warps: int | None):
         assert smem <= get_arch("sm_90a").smem_bytes_per_block
 
 
-@pytest.mark.parametrize(
-    ("policy", "pair_policy", "nseq", "hv", "total", "expected"),
-    [("auto", "auto", 1, 64, 16384, (1, 132, 1)),  # 64 chains in pairs: the setup kernel decides
-     ("auto", "auto", 1, 32, 16384, (0, 132, 1)),  # 32 chains: the two-stage path, even in pairs
-     ("auto", "auto", 1, 64, 512, (1, 132, 1)),  # 32 steps a chain: within the pair form's margin
-     ("auto", "auto", 1, 64, 256, (0, 132, 1)),  # 16 steps a chain: the two-stage path
-     ("auto", "auto", 2, 64, 32768, (1, 132, 0)),  # 128 chains: more than half the SMs, one CTA each
-     ("auto", "off", 1, 64, 16384, (0, 132, 0)),  # one CTA a chain: half the SMs idle
-     ("on", "auto", 1, 66, 777, (2, 132, 1)),  # a pair on every SM
-     ("on", "auto", 1, 67, 777, (2, 132, 0)),
-     ("off", "auto", 1, 64, 16384, (0, 132, 1)),
-     ("auto", "auto", 0, 64, 0, (0, 132, 0))],
-)
-def test_fused_pair_policy(monkeypatch: pytest.MonkeyPatch, policy: str, pair_policy: str, nseq: int, hv: int,
-                           total: int, expected: tuple[int, int, int]):
-    # The pair form runs where every chain gets two CTAs at once; the host's bound on the setup kernel's
-    # estimate is then scaled by the pair step (one wave, each step made by two CTAs). 132 SMs.
-    monkeypatch.setenv(paths.ENV_FUSED, policy)
-    monkeypatch.setenv(paths.ENV_FUSED_PAIR, pair_policy)
-    spec = KernelSpec(arch="sm_90a", g_dtype="bf16")
-    plan = make_plan(spec)
-    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
-    assert kernel._fused_args(nseq, hv, total, 132) == expected
-
-
 def test_mma_sync_selectable_on_sm90a():
     spec = KernelSpec(arch="sm_90a", family="mma_sync")
     assert make_plan(spec).family == "mma_sync"
@@ -214,63 +151,6 @@ def test_prepare_leaves_room_for_the_recurrence_only_with_pdl(arch: str, pdl: bo
         assert prep["overlap_ctas_per_sm"] == max(1, prep["ctas_per_sm"] - 1)  # mma_sync on these targets
     else:
         assert prep["min_ctas_per_sm"] == prep["ctas_per_sm"] == prep["overlap_ctas_per_sm"]
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"), [("", "auto"), ("AUTO", "auto"), ("on", "on"), (" off ", "off")]
-)
-def test_overlap_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str):
-    monkeypatch.setenv(paths.ENV_OVERLAP, value)
-    assert paths.overlap() == expected
-
-
-def test_overlap_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(paths.ENV_OVERLAP, "yes")
-    with pytest.raises(ValueError, match="KDAGEN_OVERLAP: expected 'auto', 'on' or 'off', got 'yes'"):
-        paths.overlap()
-
-
-@pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("LENGTH", "length"), (" input ", "input")])
-def test_seq_order_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str):
-    monkeypatch.setenv(paths.ENV_SEQ_ORDER, value)
-    assert paths.seq_order() == expected
-
-
-def test_seq_order_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(paths.ENV_SEQ_ORDER, "sorted")
-    expected = "KDAGEN_SEQ_ORDER: expected 'auto', 'length' or 'input', got 'sorted'"
-    with pytest.raises(ValueError, match=expected):
-        paths.seq_order()
-
-
-@pytest.mark.parametrize(
-    ("policy", "nseq", "rec_ctas", "expected"),
-    [
-        ("auto", 20, 2560, True), ("auto", 20, 132, False), ("auto", 1, 256, False),
-        ("auto", 5000, 10**6, False), ("length", 2, 4, True), ("length", 1, 4, False),
-        ("input", 20, 2560, False),
-    ],
-)
-def test_longest_first_rule(
-    monkeypatch: pytest.MonkeyPatch, policy: str, nseq: int, rec_ctas: int, expected: bool
-) -> None:
-    # Longest first only where the recurrence grid does not fit the 132 SMs at once and there are sequences to
-    # rank (two to MAX_RANKED_SEQS); `length` forces it, `input` turns it off.
-    monkeypatch.setenv(paths.ENV_SEQ_ORDER, policy)
-    assert KDAKernel._by_length(nseq, rec_ctas, 132) is expected
-
-
-@pytest.mark.parametrize(("value", "expected"), [("", "auto"), ("off", "off"), ("1024", 1024)])
-def test_intracard_cp_policy(monkeypatch: pytest.MonkeyPatch, value: str, expected: str | int):
-    monkeypatch.setenv(paths.ENV_INTRACARD_CP, value)
-    assert paths.intracard_cp() == expected
-
-
-@pytest.mark.parametrize("value", ["100", "-16", "many"])
-def test_intracard_cp_policy_rejects_other_values(monkeypatch: pytest.MonkeyPatch, value: str):
-    monkeypatch.setenv(paths.ENV_INTRACARD_CP, value)
-    with pytest.raises(ValueError, match="KDAGEN_INTRACARD_CP: expected"):
-        paths.intracard_cp()
 
 
 @pytest.mark.parametrize(("family", "beside"), [("mma_sync", 3), ("wgmma", 2)])
@@ -319,21 +199,3 @@ def test_merge_prefetch_fits_the_targets_shared_memory(arch: str, stages: int, h
     assert used <= get_arch(arch).smem_bytes_per_block
     assert p["warps"] * 16 == k and p["block_v"] == 16
     assert p["stages"] == (stages if k == 128 else 3)
-
-
-@pytest.mark.parametrize(
-    ("tokens", "heads", "expected"),
-    [(65536, 4, 2048), (16384, 16, 2048), (32768, 8, 2048), (16384, 8, 1024), (65536, 2, 2048),
-     (16384, 64, None), (16384, 17, None), (2048, 1, None)],
-)
-def test_intracard_cp_segment_rule(
-    monkeypatch: pytest.MonkeyPatch, tokens: int, heads: int, expected: int | None
-) -> None:
-    # One sequence on 132 SMs: two segment-pass CTAs per SM at most, at most sqrt(steps / 4) segments, none
-    # when the recurrence grid (heads x 2 V-slices) takes more than a quarter of the SMs or the sequence is
-    # short (the measurements behind the rule are in KDAKernel._cp_segment_len).
-    monkeypatch.delenv(paths.ENV_INTRACARD_CP, raising=False)
-    spec = KernelSpec(arch="sm_90a")
-    plan = make_plan(spec)
-    kernel = KDAKernel(spec, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
-    assert kernel._cp_segment_len(1, tokens, 2 * heads, 132) == expected

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from kdagen.policy import SchedulePolicy
 from kdagen.reference import assert_close
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
@@ -50,9 +51,11 @@ TOL = cases.GPU_TOL
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_against_reference(spec_name: str, case: cases.Case) -> None:
+def _check_against_reference(spec_name: str, case: cases.Case, policy: SchedulePolicy | None = None) -> None:
     spec = cases.SPECS[spec_name]
     kernel = cases.kernel_for(spec_name)
+    if policy is not None:
+        kernel = kernel.with_policy(policy)
     inp = cases.build_inputs(spec, case)
     h0_before = None if inp["initial_state"] is None else inp["initial_state"].clone()
 
@@ -82,8 +85,8 @@ def test_numerics(spec_name: str, case: cases.Case) -> None:
 
 
 # The fused prepare + recurrence kernel (the wgmma variants the planner gives one: those with the safe gate).
-# KDAGEN_FUSED=on runs it on every whole-sequence call: the numerics matrix of those specs against the fp64
-# reference, and bit-identity with the two-stage path (KDAGEN_FUSED=off) on the same inputs, since the
+# fused="on" runs it on every whole-sequence call: the numerics matrix of those specs against the fp64
+# reference, and bit-identity with the two-stage path (fused="off") on the same inputs, since the
 # arithmetic is the same and only the route of the per-step operands differs (shared memory instead of the
 # workspace).
 def _has_fused_stage(spec_name: str) -> bool:
@@ -97,22 +100,20 @@ FUSED_MATRIX = tuple((n, c) for n, c in cases.MATRIX if _has_fused_stage(n))
 
 
 @pytest.mark.parametrize(("spec_name", "case"), FUSED_MATRIX, ids=[f"{n}:{c.id}" for n, c in FUSED_MATRIX])
-def test_fused_kernel(spec_name: str, case: cases.Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_kernel(spec_name: str, case: cases.Case) -> None:
     kernel = cases.kernel_for(spec_name)
     assert any(s.name == "fused" for s in kernel.plan.stages), f"{spec_name}: the plan has no fused kernel"
-    monkeypatch.setenv("KDAGEN_FUSED", "on")
-    _check_against_reference(spec_name, case)
+    _check_against_reference(spec_name, case, SchedulePolicy(fused="on"))
     inp = cases.build_inputs(cases.SPECS[spec_name], case)
-    o_f, ht_f = cases.run_kernel(kernel, inp, case.final)
-    monkeypatch.setenv("KDAGEN_FUSED", "off")
-    o_s, ht_s = cases.run_kernel(kernel, inp, case.final)
+    o_f, ht_f = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="on")), inp, case.final)
+    o_s, ht_s = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="off")), inp, case.final)
     torch.cuda.synchronize()
     assert torch.equal(o_f, o_s), "o: the fused kernel and the two-stage path differ"
     if case.final:
         assert torch.equal(ht_f, ht_s), "ht: the fused kernel and the two-stage path differ"
 
 
-def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_kernel_many_chains_per_cta() -> None:
     """The fused kernel's persistent grid with more chains than SMs: CTAs take several chains from the
     device counter, the ring running on across them, among them empty and length-1 sequences; engine padding
     past cu_seqlens[-1] reads o = 0. Against the reference, and bit for bit against the two-stage path."""
@@ -128,10 +129,8 @@ def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> No
         filler = torch.randn((1, 40, *t.shape[2:]), device=t.device).to(t.dtype)  # garbage, not zeros
         padded[name] = torch.cat([t, filler], dim=1)
     kernel = cases.kernel_for("lb_safe")
-    monkeypatch.setenv("KDAGEN_FUSED", "on")
-    o_f, ht_f = cases.run_kernel(kernel, padded, True)
-    monkeypatch.setenv("KDAGEN_FUSED", "off")
-    o_s, ht_s = cases.run_kernel(kernel, padded, True)
+    o_f, ht_f = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="on")), padded, True)
+    o_s, ht_s = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="off")), padded, True)
     torch.cuda.synchronize()
     assert torch.all(o_f[:, case.total :] == 0), "o past cu_seqlens[-1] must be exactly zero"
     ref_o, ref_ht = cases.run_reference(spec, inp, True)
@@ -142,7 +141,7 @@ def test_fused_kernel_many_chains_per_cta(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # The fused kernel's CTA-pair form (calls whose chains fill at most half the SMs): against the reference, and
-# bit for bit against the one-CTA form (KDAGEN_FUSED_PAIR=off) and the two-stage path, on specs that cover it
+# bit for bit against the one-CTA form (fused_pair="off") and the two-stage path, on specs that cover it
 # (lb_safe: fp32 g, three prepare warps a CTA; the others four); the last case of each puts a pair on every SM
 # of a 132-SM card (128 SMs at GVA 4).
 PAIR_SPECS = ("lb_safe_gbf16", "lb_safe", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
@@ -160,7 +159,7 @@ PAIR_MATRIX = tuple((n, c) for n in PAIR_SPECS for c in _pair_cases(cases.SPECS[
 
 
 @pytest.mark.parametrize(("spec_name", "case"), PAIR_MATRIX, ids=[f"{n}:{c.id}" for n, c in PAIR_MATRIX])
-def test_fused_pair_form(spec_name: str, case: cases.Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_pair_form(spec_name: str, case: cases.Case) -> None:
     spec = cases.SPECS[spec_name]
     kernel = cases.kernel_for(spec_name)
     assert any(s.name == "fused_pair" for s in kernel.plan.stages), f"{spec_name}: no pair form in the plan"
@@ -170,14 +169,11 @@ def test_fused_pair_form(spec_name: str, case: cases.Case, monkeypatch: pytest.M
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if 2 * nseq * hv > sms:
         pytest.skip(f"{nseq * hv} chains need {2 * nseq * hv} CTAs for the pair form; this GPU has {sms} SMs")
-    monkeypatch.setenv("KDAGEN_FUSED", "on")
-    monkeypatch.setenv("KDAGEN_FUSED_PAIR", "auto")
-    assert kernel._fused_args(nseq, hv, case.total, sms)[2] == 1, "the call does not take the pair form"
-    o_p, ht_p = cases.run_kernel(kernel, inp, True)
-    monkeypatch.setenv("KDAGEN_FUSED_PAIR", "off")
-    o_1, ht_1 = cases.run_kernel(kernel, inp, True)
-    monkeypatch.setenv("KDAGEN_FUSED", "off")
-    o_s, ht_s = cases.run_kernel(kernel, inp, True)
+    paired = kernel.with_policy(SchedulePolicy(fused="on", fused_pair="auto"))
+    assert paired.schedule(nseq, case.total, hv, sms).fused_args[2] == 1, "the call takes no pair form"
+    o_p, ht_p = cases.run_kernel(paired, inp, True)
+    o_1, ht_1 = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="on", fused_pair="off")), inp, True)
+    o_s, ht_s = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="off")), inp, True)
     torch.cuda.synchronize()
     ref_o, ref_ht = cases.run_reference(spec, inp, True)
     assert_close("o", ref_o, o_p, TOL)
@@ -205,11 +201,11 @@ def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
 
 def _fused_expected(lengths: tuple[int, ...], heads: int, kernel: Any) -> bool | None:
     """The setup kernel's rule (templates/common/forward.py.j2), or None when the host settles the call
-    (KDAKernel._fused_args: no fused launch)."""
+    (kdagen.policy.fused_args: no fused launch)."""
     forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
     margin, fill = forward["fused_margin"], forward["fused_fill_steps"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    args = kernel._fused_args(len(lengths), heads, sum(lengths), sms)
+    args = kernel.schedule(len(lengths), sum(lengths), heads, sms, SchedulePolicy()).fused_args
     if args[0] == 0:
         return None
     chains = len(lengths) * heads
@@ -225,15 +221,14 @@ def _fused_expected(lengths: tuple[int, ...], heads: int, kernel: Any) -> bool |
 # 128 chains of equal length (one full wave on 132 SMs); as many chains with one sequence doing most of the
 # work; 64 chains (half the SMs: the CTA-pair form, taken); 64 chains of 256 tokens (the pair form declined).
 @pytest.mark.parametrize("lengths", [(2048, 2048), (4000, 96), (2048,), (256,)])
-def test_setup_kernel_chooses_the_path(lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    """KDAGEN_FUSED=auto: the setup kernel picks the path from the lengths on the device; the kernels of the
+def test_setup_kernel_chooses_the_path(lengths: tuple[int, ...]) -> None:
+    """fused="auto": the setup kernel picks the path from the lengths on the device; the kernels of the
     other path exit at once. Which one did the work shows in the kernels' durations (the chosen path takes
     ~100x longer than an exiting grid at these sizes)."""
-    monkeypatch.setenv("KDAGEN_FUSED", "auto")
     spec = cases.SPECS["lb_safe_gbf16"]
     cu = (0, *torch.tensor(lengths).cumsum(0).tolist())
     inp = cases.build_inputs(spec, cases.VL(tuple(cu), 64, seed=3))
-    kernel = cases.kernel_for("lb_safe_gbf16")
+    kernel = cases.kernel_for("lb_safe_gbf16").with_policy(SchedulePolicy())
     fused = _fused_expected(lengths, 64, kernel)
     times = _kernel_times_us(lambda: cases.run_kernel(kernel, inp, True))
     if fused is None:  # the fused kernel is not even launched
@@ -293,7 +288,7 @@ def test_empty_inputs_launch_nothing_and_pass_the_state_through() -> None:
     assert ht.shape == (0, *inp["initial_state"].shape[1:])
 
 
-# Intra-card context parallelism: forced with short segments (KDAGEN_INTRACARD_CP=<tokens>) so that small
+# Intra-card context parallelism: forced with short segments (intracard_cp=<tokens>) so that small
 # inputs exercise segment maps, merges across many segments, segments that end mid-tile, empty sequences
 # and the final state of the last segment; and once in "auto", where a long sequence with one head picks it.
 CP_CASES = [
@@ -310,14 +305,11 @@ CP_CASES = [
 @pytest.mark.parametrize(
     ("spec_name", "case", "seg"), CP_CASES, ids=[f"{n}:{c.id}:cp{s}" for n, c, s in CP_CASES]
 )
-def test_intracard_cp(
-    spec_name: str, case: cases.Case, seg: int | str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KDAGEN_INTRACARD_CP", str(seg))
-    _check_against_reference(spec_name, case)
+def test_intracard_cp(spec_name: str, case: cases.Case, seg: int | str) -> None:
+    _check_against_reference(spec_name, case, SchedulePolicy(intracard_cp=seg))
 
 
-# Longest-first recurrence, forced on small inputs (KDAGEN_SEQ_ORDER=length): the order stage ranks the
+# Longest-first recurrence, forced on small inputs (seq_order="length"): the order stage ranks the
 # sequences by length on the device and grid slice z of the recurrence runs the z-th longest. Ties, empty
 # and length-1 sequences, the longest last. Each (sequence, head, V-slice) is computed the same way wherever
 # its CTA sits in the grid, so the results must equal those of the input order bit for bit, in both families.
@@ -329,18 +321,15 @@ ORDER_CASES = [
 
 @pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
 @pytest.mark.parametrize(("spec_name", "case"), ORDER_CASES, ids=[f"{n}:{c.id}" for n, c in ORDER_CASES])
-def test_longest_first_order(
-    spec_name: str, case: cases.Case, family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_longest_first_order(spec_name: str, case: cases.Case, family: str) -> None:
     import kdagen
 
     spec = {**cases.SPECS[spec_name], "family": family}
     kernel = kdagen.get_kernel(spec)
     inp = cases.build_inputs(spec, case)
     outs = {}
-    for policy in ("input", "length"):
-        monkeypatch.setenv("KDAGEN_SEQ_ORDER", policy)
-        outs[policy] = cases.run_kernel(kernel, inp, True)
+    for order in ("input", "length"):
+        outs[order] = cases.run_kernel(kernel.with_policy(SchedulePolicy(seq_order=order)), inp, True)
     torch.cuda.synchronize()
     ref_o, ref_ht = cases.run_reference(spec, inp, True)
     o, ht = outs["length"]
@@ -385,13 +374,12 @@ def test_cuda_graph_replay_with_new_inputs() -> None:
         assert_close(f"ht (replay seed {seed})", ref_ht, ht, TOL)
 
 
-def test_cuda_graph_replay_rechooses_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KDAGEN_FUSED=auto under a captured graph: the setup kernel picks the path from cu_seqlens at every
+def test_cuda_graph_replay_rechooses_the_fused_path() -> None:
+    """fused="auto" under a captured graph: the setup kernel picks the path from cu_seqlens at every
     replay (two equal sequences: the fused kernel; one long and one short: the two-stage path), and both
     replays match the reference."""
-    monkeypatch.setenv("KDAGEN_FUSED", "auto")
     spec = cases.SPECS["lb_safe_gbf16"]
-    kernel = cases.kernel_for("lb_safe_gbf16")
+    kernel = cases.kernel_for("lb_safe_gbf16").with_policy(SchedulePolicy())
     case = cases.VL((0, 1024, 2048), 64, init=True)
     static = cases.build_inputs(spec, case)
     graph, o, ht = _capture(kernel, static)
@@ -410,12 +398,11 @@ def test_cuda_graph_replay_rechooses_the_fused_path(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("order", ["auto", "length"])
-def test_cuda_graph_replay_with_new_cu_seqlens(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_graph_replay_with_new_cu_seqlens(order: str) -> None:
     """Same N and total tokens, different boundaries: nothing may be derived from cu_seqlens on the host (with
     `length`, the longest-first order is recomputed on the device at every replay)."""
-    monkeypatch.setenv("KDAGEN_SEQ_ORDER", order)
     spec = cases.SPECS["lb_safe_gva2_vk_bbf16"]
-    kernel = cases.kernel_for("lb_safe_gva2_vk_bbf16")
+    kernel = cases.kernel_for("lb_safe_gva2_vk_bbf16").with_policy(SchedulePolicy(seq_order=order))
     case = cases.VL((0, 15, 100, 300, 301, 512), 2, init=True)
     static = cases.build_inputs(spec, case)
     graph, o, ht = _capture(kernel, static)

@@ -1,0 +1,351 @@
+"""The scheduling policy (kdagen/policy.py) and the policy sweep's pure parts (benchmarks/bench_policy.py),
+on the CPU: validation, the environment override read once, every decision function, the kernel's policy
+views, and --check on a small recorded sweep (tests/fixtures/policy-sweep-small.json, invented times)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdagen import paths, policy
+from kdagen.plan import make_plan
+from kdagen.policy import (
+    AUTO,
+    COSTS,
+    PlanFacts,
+    SchedulePolicy,
+    by_length,
+    cp_segment_len,
+    cp_time_us,
+    fused_args,
+    overlap,
+    schedule,
+    whole_time_us,
+)
+from kdagen.runtime import KDAKernel
+from kdagen.spec import KernelSpec
+
+sys.path.insert(0, str(paths.benchmarks_dir()))
+import bench_policy  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "policy-sweep-small.json"
+SMS = 132
+
+
+def _facts(**spec: object) -> PlanFacts:
+    s = KernelSpec(**{"arch": "sm_90a", **spec})
+    return PlanFacts.from_plan(s, make_plan(s))
+
+
+def _kernel(**spec: object) -> KDAKernel:
+    s = KernelSpec(**{"arch": "sm_90a", **spec})
+    plan = make_plan(s)
+    return KDAKernel(s, plan, dict.fromkeys(plan.stage_names, lambda *a: None))
+
+
+FUSED = _facts(g_dtype="bf16")  # the wgmma family with the safe gate: fused kernel and pair form
+PLAIN = _facts(family="mma_sync")  # no fused kernel
+
+
+# ---- the policy object ----
+
+
+def test_default_is_all_auto():
+    assert SchedulePolicy() == AUTO
+    assert AUTO.label() == "auto"
+    assert {AUTO, SchedulePolicy()} == {AUTO}  # frozen, hashable
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"intracard_cp": 100}, "intracard_cp: expected 'auto', 'off' or a positive multiple of 16"),
+     ({"intracard_cp": -16}, "intracard_cp"), ({"intracard_cp": 0}, "intracard_cp"),
+     ({"intracard_cp": True}, "intracard_cp"), ({"intracard_cp": "1024"}, "got '1024'"),
+     ({"overlap": "yes"}, "overlap: expected 'auto', 'on' or 'off', got 'yes'"),
+     ({"fused": "sometimes"}, "fused: expected"), ({"fused_pair": None}, "fused_pair: expected"),
+     ({"seq_order": "sorted"}, "seq_order: expected 'auto', 'length' or 'input', got 'sorted'")],
+)
+def test_invalid_fields_are_rejected_on_construction(kwargs: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        SchedulePolicy(**kwargs)
+
+
+def test_frozen_and_replace_validates():
+    p = SchedulePolicy(intracard_cp=1024, fused="off")
+    with pytest.raises(AttributeError):
+        p.fused = "on"  # type: ignore[misc]
+    assert p.replace(fused="on") == SchedulePolicy(intracard_cp=1024, fused="on")
+    with pytest.raises(ValueError, match="overlap"):
+        p.replace(overlap="maybe")
+
+
+@pytest.mark.parametrize(
+    "p", [AUTO, SchedulePolicy(intracard_cp="off", fused="on", fused_pair="off"),
+          SchedulePolicy(intracard_cp=2048, overlap="off", seq_order="input")])
+def test_label_round_trip(p: SchedulePolicy):
+    assert SchedulePolicy.from_label(p.label()) == p
+
+
+def test_coerce():
+    assert SchedulePolicy.coerce(None) is None
+    assert SchedulePolicy.coerce(AUTO) is AUTO
+    assert SchedulePolicy.coerce({"fused": "off"}) == SchedulePolicy(fused="off")
+    with pytest.raises(TypeError, match="policy: expected a SchedulePolicy"):
+        SchedulePolicy.coerce("off")  # type: ignore[arg-type]
+
+
+# ---- the environment override ----
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({}, AUTO), ({"KDAGEN_INTRACARD_CP": ""}, AUTO),
+     ({"KDAGEN_INTRACARD_CP": " 1024 ", "KDAGEN_OVERLAP": "OFF"},
+      SchedulePolicy(intracard_cp=1024, overlap="off")),
+     ({"KDAGEN_FUSED": "on", "KDAGEN_FUSED_PAIR": "off", "KDAGEN_SEQ_ORDER": "Length"},
+      SchedulePolicy(fused="on", fused_pair="off", seq_order="length"))],
+)
+def test_from_env(env: dict, expected: SchedulePolicy):
+    assert SchedulePolicy.from_env(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [({"KDAGEN_INTRACARD_CP": "100"}, "KDAGEN_INTRACARD_CP: expected 'auto', 'off' or a positive multiple"),
+     ({"KDAGEN_INTRACARD_CP": "many"}, "KDAGEN_INTRACARD_CP: expected"),
+     ({"KDAGEN_OVERLAP": "yes"}, "KDAGEN_OVERLAP: expected 'auto', 'on' or 'off', got 'yes'"),
+     ({"KDAGEN_SEQ_ORDER": "sorted"},
+      "KDAGEN_SEQ_ORDER: expected 'auto', 'length' or 'input', got 'sorted'")],
+)
+def test_from_env_names_the_variable(env: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        SchedulePolicy.from_env(env)
+
+
+def test_default_policy_reads_the_environment_once(monkeypatch: pytest.MonkeyPatch):
+    policy.default_policy.cache_clear()
+    try:
+        monkeypatch.setenv(paths.ENV_FUSED, "off")
+        assert policy.default_policy() == SchedulePolicy(fused="off")
+        monkeypatch.setenv(paths.ENV_FUSED, "on")  # later changes are not seen: no per-call reads
+        assert policy.default_policy() == SchedulePolicy(fused="off")
+        assert _kernel().policy == SchedulePolicy(fused="off")
+    finally:
+        monkeypatch.delenv(paths.ENV_FUSED)
+        policy.default_policy.cache_clear()
+
+
+# ---- kernels and their policy views ----
+
+
+def test_kernel_policy_view_shares_the_loaded_stages():
+    base = _kernel()
+    view = base.with_policy({"intracard_cp": "off"})
+    assert view.policy == SchedulePolicy(intracard_cp="off") and base.policy == policy.default_policy()
+    assert view._forward is base._forward and view._cp is base._cp and view._dummies is base._dummies
+    assert view.schedule(1, 65536, 4, SMS).seg_len is None
+    assert base.schedule(1, 65536, 4, SMS, AUTO).seg_len == 2048
+    # a call's own policy: cached apart from the kernel's
+    assert view._schedule(1, 65536, 4, SMS, AUTO).seg_len == 2048
+    assert view._schedule(1, 65536, 4, SMS, None).seg_len is None
+
+
+def test_get_kernel_passes_the_policy(monkeypatch: pytest.MonkeyPatch):
+    import kdagen
+    import kdagen.build
+
+    base = _kernel()
+    monkeypatch.setattr(kdagen.build, "get_kernel", lambda spec, force=False: base)
+    assert kdagen.get_kernel("x") is base
+    view = kdagen.get_kernel("x", policy=SchedulePolicy(fused="off"))
+    assert view.policy == SchedulePolicy(fused="off") and view._forward is base._forward
+
+
+# ---- intra-card CP ----
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "expected"),
+    [(65536, 4, 2048), (65536, 2, 2048), (32768, 8, 2048), (16384, 16, 2048), (16384, 8, 2048),
+     (8192, 4, None),  # the serial chain (~0.3 ms) beats CP at middle lengths
+     (4096, 1, None), (16384, 64, None), (16384, 33, None), (2048, 1, None)],
+)
+def test_cp_cost_model_choices(tokens: int, heads: int, expected: int | None):
+    # One sequence on 132 SMs, the starting constants (CostModel): CP where it is estimated well below the
+    # whole-sequence path, never where the recurrence grid (heads x 2 V-slices) covers half the SMs.
+    assert cp_segment_len(1, tokens, heads, SMS, FUSED) == expected
+
+
+def test_cp_forced_and_off():
+    assert cp_segment_len(1, 65536, 4, SMS, FUSED, SchedulePolicy(intracard_cp="off")) is None
+    assert cp_segment_len(8, 4096, 64, SMS, FUSED, SchedulePolicy(intracard_cp=256)) == 256
+
+
+def test_cp_choice_is_the_cheapest_estimate():
+    seg = cp_segment_len(1, 65536, 4, SMS, FUSED)
+    assert seg is not None
+    costs = {s: cp_time_us(1, 65536, 4, SMS, s, FUSED) for s in policy.cp_candidates(1, 65536)}
+    assert costs[seg] == min(costs.values())
+    assert costs[seg] <= COSTS.cp_margin * whole_time_us(1, 65536, 4, SMS, FUSED)
+
+
+def test_estimates_grow_with_the_work():
+    for heads in (1, 4, 16, 64):
+        whole = [whole_time_us(1, t, heads, SMS, FUSED) for t in (1024, 4096, 16384, 65536)]
+        assert whole == sorted(whole)
+    assert cp_time_us(1, 65536, 4, SMS, 2048, FUSED) < cp_time_us(1, 65536, 8, SMS, 2048, FUSED)
+
+
+# ---- the fused kernel's arguments (the forward stage's allow_fused, sms, pair) ----
+
+
+@pytest.mark.parametrize(
+    ("fused", "nseq", "total", "expected"),
+    [("auto", 1, 16384, (0, 132)),  # 64 chains: half the SMs
+     ("auto", 2, 32768, (1, 132)),  # 128 chains of 1024 steps: the setup kernel decides
+     ("auto", 20, 4096, (1, 132)),  # ten waves of ~13-step chains
+     ("auto", 60, 4096, (1, 132)),
+     ("auto", 3, 6144, (0, 132)),  # 192 chains: a second wave under half full
+     ("auto", 2, 1024, (1, 132)),
+     ("auto", 0, 0, (0, 132)),
+     ("on", 1, 16, (2, 132)), ("off", 2, 32768, (0, 132))],
+)
+def test_fused_args_one_cta_a_chain(fused: str, nseq: int, total: int, expected: tuple[int, int]):
+    p = SchedulePolicy(fused=fused, fused_pair="off")
+    assert fused_args(nseq, 64, total, SMS, _facts(), p) == (*expected, 0)
+    assert fused_args(nseq, 64, total, SMS, PLAIN, p) == ()  # no fused kernel: no such arguments
+
+
+@pytest.mark.parametrize(
+    ("fused", "pair", "nseq", "hv", "total", "expected"),
+    [("auto", "auto", 1, 64, 16384, (1, 132, 1)),
+     ("auto", "on", 1, 64, 16384, (1, 132, 1)),
+     ("auto", "auto", 1, 32, 16384, (0, 132, 1)),
+     ("auto", "auto", 1, 64, 512, (1, 132, 1)),
+     ("auto", "auto", 1, 64, 256, (0, 132, 1)),
+     ("auto", "auto", 2, 64, 32768, (1, 132, 0)),  # 128 chains: more than half the SMs, one CTA each
+     ("auto", "off", 1, 64, 16384, (0, 132, 0)),
+     ("on", "auto", 1, 66, 777, (2, 132, 1)), ("on", "auto", 1, 67, 777, (2, 132, 0)),
+     ("off", "auto", 1, 64, 16384, (0, 132, 1)), ("auto", "auto", 0, 64, 0, (0, 132, 0))],
+)
+def test_fused_args_pair_form(fused: str, pair: str, nseq: int, hv: int, total: int, expected: tuple):
+    assert fused_args(nseq, hv, total, SMS, FUSED, SchedulePolicy(fused=fused, fused_pair=pair)) == expected
+
+
+# ---- overlap and order ----
+
+
+@pytest.mark.parametrize(("mode", "rec_ctas", "expected"),
+                         [("auto", 132, True), ("auto", 133, False), ("on", 1000, True), ("off", 2, False)])
+def test_overlap(mode: str, rec_ctas: int, expected: bool):
+    assert overlap(rec_ctas, SMS, SchedulePolicy(overlap=mode)) is expected
+
+
+@pytest.mark.parametrize(
+    ("order", "nseq", "rec_ctas", "expected"),
+    [("auto", 20, 2560, True), ("auto", 20, 132, False), ("auto", 1, 256, False),
+     ("auto", 5000, 10**6, False), ("length", 2, 4, True), ("length", 1, 4, False),
+     ("input", 20, 2560, False)],
+)
+def test_longest_first(order: str, nseq: int, rec_ctas: int, expected: bool):
+    assert by_length(nseq, rec_ctas, SMS, SchedulePolicy(seq_order=order)) is expected
+
+
+def test_schedule_under_cp_has_no_whole_sequence_arguments():
+    s = schedule(1, 65536, 4, SMS, FUSED)
+    assert s.seg_len == 2048 and s.fused_args == () and not s.by_length
+    w = schedule(20, 20 * 4096, 64, SMS, FUSED)
+    assert w.seg_len is None and w.by_length and not w.beside and w.fused_args[0] == 1
+
+
+# ---- benchmarks/bench_policy.py: the pure parts ----
+
+
+def test_point_grid_skips_big_points():
+    run, skipped = bench_policy.point_grid()
+    assert len(run) + len(skipped) == 7 * 8 * 3
+    assert all(p.token_heads <= bench_policy.MAX_TOKEN_HEADS for p in run)
+    assert all(p.token_heads > bench_policy.MAX_TOKEN_HEADS for p in skipped)
+    assert bench_policy.Point(64, 65536, 16) in skipped and bench_policy.Point(4, 65536, 1) in run
+    quick, _ = bench_policy.point_grid(bench_policy.QUICK_HEADS, bench_policy.QUICK_TOKENS,
+                                       bench_policy.QUICK_SEQS)
+    assert len(quick) < len(run)
+
+
+def test_options_of_a_point():
+    opts = bench_policy.options_for(bench_policy.Point(4, 4096, 1), FUSED, SMS)
+    assert set(opts) == {"intracard_cp=off", "intracard_cp=1024", "intracard_cp=2048",
+                         "intracard_cp=off,fused=off", "intracard_cp=off,fused=on,fused_pair=off",
+                         "intracard_cp=off,fused=on,fused_pair=on"}
+    assert all(SchedulePolicy.from_label(k) == v for k, v in opts.items())
+    many = bench_policy.options_for(bench_policy.Point(64, 1024, 4), FUSED, SMS)
+    assert "intracard_cp=off,fused=on,fused_pair=on" not in many  # 256 chains: no pair for each
+    assert set(bench_policy.options_for(bench_policy.Point(4, 1024, 1), PLAIN, SMS)) == {"intracard_cp=off"}
+
+
+def test_choice_label_resolves_the_setup_kernels_pick():
+    point = bench_policy.Point(64, 16384, 1)
+    label = bench_policy.choice_label(schedule(1, 16384, 64, SMS, FUSED), point, FUSED, SMS)
+    assert label == "intracard_cp=off,fused=on,fused_pair=on"
+    long_point = bench_policy.Point(4, 65536, 1)
+    cp = bench_policy.choice_label(schedule(1, 65536, 4, SMS, FUSED), long_point, FUSED, SMS)
+    assert cp == "intracard_cp=2048"
+
+
+def test_falling_points():
+    rows = [{"heads": 4, "seqs": 1, "tokens": t, "ms": ms} for t, ms in
+            ((1024, 0.1), (8192, 0.516), (32768, 0.387), (65536, 0.66))]
+    rows.append({"heads": 8, "seqs": 1, "tokens": 1024, "ms": 0.09})
+    assert bench_policy.falling_points(rows, "ms") == {(4, 1, 32768)}
+    rows[2]["ms"] = 0.510  # within 2%: noise, not a fall
+    assert bench_policy.falling_points(rows, "ms") == set()
+
+
+def test_parse_costs():
+    c = bench_policy.parse_costs("cp_step_us=2.5,min_segment=1024,segment_counts=2/4/8")
+    assert (c.cp_step_us, c.min_segment, c.segment_counts) == (2.5, 1024, (2, 4, 8))
+    with pytest.raises(SystemExit, match="not a CostModel constant"):
+        bench_policy.parse_costs("nope=1")
+
+
+def test_check_on_a_recorded_sweep():
+    data = json.loads(FIXTURE.read_text())
+    result = bench_policy.check(data)
+    rows = {(r["heads"], r["seqs"], r["tokens"]): r for r in result["rows"]}
+    # H=4 T=8192: the current rule keeps the whole sequence (the recorded auto took CP at 1024 tokens)
+    assert rows[(4, 1, 8192)]["pick"] == "intracard_cp=off,fused=off"
+    assert rows[(4, 1, 8192)]["ratio"] == pytest.approx(1.0)
+    assert rows[(4, 1, 32768)]["pick"] == "intracard_cp=2048" and not rows[(4, 1, 32768)]["slow"]
+    assert rows[(64, 1, 16384)]["pick"] == "intracard_cp=off,fused=on,fused_pair=on"
+    assert result["summary"]["falls"] == 0 and result["summary"]["slow"] == 0
+    # a cost model that takes CP everywhere brings the slow point back
+    eager = bench_policy.parse_costs("min_segment=512,cp_margin=5")
+    again = bench_policy.check(data, eager)
+    slow = {(r["heads"], r["seqs"], r["tokens"]) for r in again["rows"] if r["slow"]}
+    assert (4, 1, 8192) in slow
+
+
+def test_check_cli(capsys: pytest.CaptureFixture[str]):
+    assert bench_policy.main(["--check", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "H4-N1-T8192" in out and "4 points: 0 over 1.10x best" in out
+
+
+def test_markdown_and_summary_of_a_sweep():
+    data = json.loads(FIXTURE.read_text())
+    data["summary"] = bench_policy.summarize(data["points"], 1.10)
+    assert data["summary"]["slow"] == 1 and data["summary"]["falls"] == 1  # the recorded auto at T=8192
+    md = bench_policy.markdown(data)
+    assert "| 4 | 1 | 8192 | 0.516 |" in md and "slow falls" not in md
+
+
+def test_fit_ranks_constants_by_the_check():
+    data = json.loads(FIXTURE.read_text())
+    ranked = bench_policy.fit(data, "min_segment=512/2048,cp_margin=0.9/5")
+    assert len(ranked) == 4
+    best_key, best_costs, best_summary = ranked[0]
+    assert best_costs.min_segment == 2048 and best_summary["slow"] == 0
+    assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
