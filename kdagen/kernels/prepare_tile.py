@@ -46,6 +46,7 @@ __all__ = [
     "tile_views",
     "fragment_rows",
     "stage_inputs",
+    "l2norm_scales",
     "decay_blocks",
     "park_beta",
     "tile_matrices",
@@ -196,6 +197,34 @@ def stage_inputs(cfg, lane, gq, mQ, mK, mG, mBeta, h, hv, t0, rows, views):
 
 
 @cute.jit
+def l2norm_scales(cfg, ldsm, mma_in, lane, gq, sQv, sKv, scale, mask):
+    """l2norm (§2.2) of the lane's two fragment rows: the sums of squares are the diagonal of the Gram matrix
+    X X^T, one tensor-core product per 16-column block (exact 16-bit products, fp32 accumulation). Returns
+    the row scales of q (with `scale` folded in) and of k, zero on rows past the sequence end (`mask`)."""
+    bt = cfg.bt
+    thr_in = mma_in.get_slice(lane)
+    gram_q = cute.make_rmem_tensor(thr_in.partition_shape_C((bt, bt)), cutlass.Float32)
+    gram_k = cute.make_rmem_tensor(thr_in.partition_shape_C((bt, bt)), cutlass.Float32)
+    gram_q.fill(0.0)
+    gram_k.fill(0.0)
+    for kb in cutlass.range_constexpr(cfg.nkb):
+        rQ = ld_block(ldsm, mma_in, lane, sQv, kb, bt)
+        cute.gemm(mma_in, gram_q, rQ, gram_b(mma_in, lane, rQ, bt, cfg.dtype), gram_q)
+        rK = ld_block(ldsm, mma_in, lane, sKv, kb, bt)
+        cute.gemm(mma_in, gram_k, rK, gram_b(mma_in, lane, rK, bt, cfg.dtype), gram_k)
+    # Row r's diagonal entry sits in lane 4 (r % 8) + (r % 8) // 2, slot (r % 2) (+ 6 for r >= 8).
+    src = 4 * gq + gq // 2
+    odd = gq % 2 == 1
+    ssq = [cute.arch.shuffle_sync(cutlass.select_(odd, gram_q[1 + 6 * hh], gram_q[6 * hh]), offset=src)
+           for hh in range(2)]
+    ssk = [cute.arch.shuffle_sync(cutlass.select_(odd, gram_k[1 + 6 * hh], gram_k[6 * hh]), offset=src)
+           for hh in range(2)]
+    rq = tuple(cute.math.rsqrt(ssq[hh] + 1e-6) * scale * mask[hh] for hh in range(2))
+    rk = tuple(cute.math.rsqrt(ssk[hh] + 1e-6) * mask[hh] for hh in range(2))
+    return rq, rk
+
+
+@cute.jit
 def decay_blocks(cfg, views, lane, gq, tq, rr, valid, rows, scale, mma_tf32, mma_in, a_scale=None, mALog=None,
                  mDtBias=None, hv=None, copy_g=None, g_rows=None, mGt=None, tile=None, sDt=None, sGt=None,
                  stage=None, sKd=None, sQd=None, kd_layout=None):
@@ -218,28 +247,9 @@ def decay_blocks(cfg, views, lane, gq, tq, rr, valid, rows, scale, mma_tf32, mma
     )
     mask = tuple(cutlass.Float32(1.0) if valid[hh] else cutlass.Float32(0.0) for hh in range(2))
 
-    # ---- l2norm (§2.2): the sums of squares are the diagonal of the Gram matrix X X^T, one tensor-core
-    # product per 16-column block (exact 16-bit products, fp32 accumulation) ----
+    # ---- l2norm (§2.2) ----
     if cutlass.const_expr(cfg.l2norm):
-        thr_in = mma_in.get_slice(lane)
-        gram_q = cute.make_rmem_tensor(thr_in.partition_shape_C((bt, bt)), cutlass.Float32)
-        gram_k = cute.make_rmem_tensor(thr_in.partition_shape_C((bt, bt)), cutlass.Float32)
-        gram_q.fill(0.0)
-        gram_k.fill(0.0)
-        for kb in cutlass.range_constexpr(cfg.nkb):
-            rQ = ld_block(ldsm, mma_in, lane, sQv, kb, bt)
-            cute.gemm(mma_in, gram_q, rQ, gram_b(mma_in, lane, rQ, bt, cfg.dtype), gram_q)
-            rK = ld_block(ldsm, mma_in, lane, sKv, kb, bt)
-            cute.gemm(mma_in, gram_k, rK, gram_b(mma_in, lane, rK, bt, cfg.dtype), gram_k)
-        # Row r's diagonal entry sits in lane 4 (r % 8) + (r % 8) // 2, slot (r % 2) (+ 6 for r >= 8).
-        src = 4 * gq + gq // 2
-        odd = gq % 2 == 1
-        ssq = [cute.arch.shuffle_sync(cutlass.select_(odd, gram_q[1 + 6 * hh], gram_q[6 * hh]), offset=src)
-               for hh in range(2)]
-        ssk = [cute.arch.shuffle_sync(cutlass.select_(odd, gram_k[1 + 6 * hh], gram_k[6 * hh]), offset=src)
-               for hh in range(2)]
-        rq = tuple(cute.math.rsqrt(ssq[hh] + 1e-6) * scale * mask[hh] for hh in range(2))
-        rk = tuple(cute.math.rsqrt(ssk[hh] + 1e-6) * mask[hh] for hh in range(2))
+        rq, rk = l2norm_scales(cfg, ldsm, mma_in, lane, gq, sQv, sKv, scale, mask)
     else:
         rq = tuple(scale * mask[hh] for hh in range(2))
         rk = mask
@@ -311,8 +321,9 @@ def decay_blocks(cfg, views, lane, gq, tq, rr, valid, rows, scale, mma_tf32, mma
                     x = x + dtb_cur[c]
                     # softplus(x) = max(x, 0) + log(1 + e^-|x|): branch-free, exact in both tails; ex2/lg2 are
                     # one MUFU op each
-                    tail = cute.math.log2(1.0 + ex2(-cute.math.absf(x) * LOG2E), approx=True, ftz=True)
-                    sp = cutlass.max(x, 0.0) + tail * LN2
+                    sp = cutlass.max(x, 0.0) + cute.math.log2(
+                        1.0 + ex2(-cute.math.absf(x) * LOG2E), approx=True, ftz=True
+                    ) * LN2
                     b[hh][c] = sp * (-a_scale * LOG2E) * mask[hh]
                 elif cutlass.const_expr(cfg.gate == "lower_bound"):
                     # ex2 and an approximate reciprocal: an IEEE divide is ~10 instructions
