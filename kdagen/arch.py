@@ -29,6 +29,10 @@ class ArchInfo:
     has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
     runs_here: bool  # False: compiled and inspected here, never run (this project has no such GPU)
+    # Targets whose GPUs offer every feature this target's plans use, so that those plans, compiled for one of
+    # them, run there: the test-only `target=` of `kdagen.build` (how the sm_80 and sm_89 plans are run on an
+    # H100: shared-memory budgets, tilings and the absence of TMA and PDL, with sm_90a machine code).
+    emulated_on: tuple[str, ...] = ()
 
     @property
     def runs(self) -> str:
@@ -71,6 +75,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=False,
             smem_bytes_per_block=163 * 1024,  # 164 KB per SM, 163 KB per block with opt-in
             runs_here=False,
+            emulated_on=("sm_90a",),
         ),
         ArchInfo(
             name="sm_89",
@@ -79,6 +84,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=False,
             smem_bytes_per_block=99 * 1024,  # 100 KB per SM, 99 KB per block with opt-in
             runs_here=False,
+            emulated_on=("sm_90a",),
         ),
         ArchInfo(
             name="sm_90a",

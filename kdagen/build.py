@@ -39,10 +39,24 @@ class BuildResult:
     shared: dict[str, Path] = field(default_factory=dict)  # {stage: its .so}, digests checked, where built
 
 
-def _options(spec: KernelSpec) -> str:
+def _options(spec: KernelSpec, target: str | None = None) -> str:
     from kdagen.compile import compile_options  # no cutlass import: compile imports it lazily
 
-    return compile_options(spec.arch)
+    return compile_options(target or spec.arch)
+
+
+def check_target(spec: KernelSpec, target: str | None) -> str:
+    """The compile target of a build: the spec's arch, or (test-only) a target whose GPUs run the spec's plans
+    (`ArchInfo.emulated_on`), so that the sm_80 and sm_89 plans are run on an H100. Refuses anything else."""
+    if target is None or target == spec.arch:
+        return spec.arch
+    allowed = spec.arch_info.emulated_on
+    if target not in allowed:
+        raise BuildError(
+            f"target={target!r}: a {spec.arch} plan can be compiled only for {spec.arch}"
+            + (f" or, to test it, for {', '.join(allowed)}" if allowed else "")
+        )
+    return target
 
 
 def _render(spec: KernelSpec, plan: Plan) -> dict[str, str]:
@@ -65,15 +79,17 @@ def describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any
     return plan, rendered, key, parts
 
 
-def _remembered_key(spec: KernelSpec, plan: Plan, generator: str) -> str | None:
+def _remembered_key(spec: KernelSpec, plan: Plan, generator: str, target: str) -> str | None:
     """The key from the source digests remembered for `generator` (`kdagen.source_memo`), or None."""
     digests = source_memo.load_digests(spec.canonical_json(), generator)
     if digests is None or set(digests) != {f"{s.name}.py" for s in plan.stages}:
         return None
-    return key_from_digests(spec, digests, _options(spec))[0]
+    return key_from_digests(spec, digests, _options(spec, target))[0]
 
 
-def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: Path) -> tuple[dict, float]:
+def _compile_all(
+    spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: Path, target: str
+) -> tuple[dict, float]:
     from kdagen.compile import compile_stage_file
 
     # The DSL re-reads kernel source from disk while compiling, so the rendered files live next to the
@@ -93,10 +109,10 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
             continue
         path = src / f"{stage.name}.py"
         try:
-            result = compile_stage_file(path, spec.arch)
+            result = compile_stage_file(path, target)
         except Exception as e:  # the DSL raises many types; report the stage and the spec
             raise BuildError(
-                f"compiling stage {stage.name!r} of {spec.slug()} for {spec.arch} failed: {e}"
+                f"compiling stage {stage.name!r} of {spec.slug()} for {target} failed: {e}"
             ) from e
         objects[stage.name] = result.object_bytes
         seconds += result.seconds
@@ -107,23 +123,30 @@ def _compile_all(spec: KernelSpec, plan: Plan, rendered: dict[str, str], entry: 
     return {**objects, **(shared if len(shared) == len(objects) else {})}, seconds
 
 
-def build_variant(spec: Any, force: bool = False, name: str | None = None) -> BuildResult:
-    """Make sure the variant's artifacts are in the cache, compiling them on a miss; says what was done."""
+def build_variant(
+    spec: Any, force: bool = False, name: str | None = None, target: str | None = None
+) -> BuildResult:
+    """Make sure the variant's artifacts are in the cache, compiling them on a miss; says what was done.
+
+    `target` (test-only) compiles the spec's plan for another target that runs it (`check_target`); the
+    compile options, and so the key, name the target.
+    """
     ref = str(spec) if isinstance(spec, (str, Path)) else None  # "file.yaml:name", for messages
     vname, spec = resolve_spec(spec)
     name = name or vname
     cache = ArtifactCache()
     plan = _planned(spec)
+    target = check_target(spec, target)
     stages = plan.stage_names
     generator = source_memo.generator_digest()
-    key = None if force else _remembered_key(spec, plan, generator)
+    key = None if force else _remembered_key(spec, plan, generator, target)
     if key is not None:
         found = lookup_built(cache, spec, key, stages)
         if found is not None:
             return _cached(name, spec, key, plan, found)
     # No remembered key, or nothing built under it: render, which a compile needs anyway.
     rendered = _render(spec, plan)
-    key, parts = cache_key(spec, rendered, _options(spec))
+    key, parts = cache_key(spec, rendered, _options(spec, target))
     unchanged = source_memo.generator_digest() == generator  # no template or module edited during the render
 
     def remember() -> None:  # only once the entry exists: a refused build writes nothing
@@ -143,11 +166,12 @@ def build_variant(spec: Any, force: bool = False, name: str | None = None) -> Bu
             # another process may have built it meanwhile
             found = None if force else lookup_built(cache, spec, key, stages)
             if found is None:
-                objects, seconds = _compile_all(spec, plan, rendered, cache.entry_dir(spec, key))
+                objects, seconds = _compile_all(spec, plan, rendered, cache.entry_dir(spec, key), target)
                 meta = {
                     "name": name,
                     "compile_seconds": round(seconds, 3),
                     "toolchain": toolchain_fingerprint(),
+                    "target": target,
                     "key_parts": {k: v["sha256"] for k, v in parts.items()},
                     "plan": {"family": plan.family, "reason": plan.reason},
                 }
@@ -208,37 +232,42 @@ def _argument_key(spec: Any) -> tuple[str, ...] | None:
     return None
 
 
-def get_kernel(spec: Any, force: bool = False):
+def get_kernel(spec: Any, force: bool = False, target: str | None = None):
     """A ready `KDAKernel` for `spec` (a KernelSpec, a dict, or "file.yaml:name"); cached per process.
 
     A repeated call with the same argument returns the kernel loaded before, without reading any file
     (edits to a spec file or a template within the process are not seen). `force` rebuilds and reloads.
+    `target` (test-only, `check_target`) runs the spec's plan compiled for another target.
     """
     arg = _argument_key(spec)
+    if arg is not None and target is not None:
+        arg = (*arg, "target", target)
     if not force and arg is not None:
         hit = _by_argument.get(arg)
         if hit is not None:
             return hit
     name, resolved = resolve_spec(spec)
     with _lock:
-        kernel = _kernel(resolved, name, force)
+        kernel = _kernel(resolved, name, force, target)
         if arg is not None:
             _by_argument[arg] = kernel
     return kernel
 
 
-def _kernel(spec: KernelSpec, name: str | None, force: bool):
+def _kernel(spec: KernelSpec, name: str | None, force: bool, target: str | None = None):
     from kdagen.runtime import KDAKernel
 
-    built = build_variant(spec, force=force, name=name)
+    built = build_variant(spec, force=force, name=name, target=target)
     hit = None if force else _loaded.get(built.key)
     if hit is None:
-        built, funcs = _load_or_rebuild(built, spec, name)
+        built, funcs = _load_or_rebuild(built, spec, name, target)
         hit = _loaded[built.key] = KDAKernel(spec, built.plan, funcs, name=name)
     return hit
 
 
-def _load_or_rebuild(built: BuildResult, spec: KernelSpec, name: str | None) -> tuple[BuildResult, dict]:
+def _load_or_rebuild(
+    built: BuildResult, spec: KernelSpec, name: str | None, target: str | None = None
+) -> tuple[BuildResult, dict]:
     """Load every stage of `built`; a failure rebuilds the entry once, and a second failure is a LoadError."""
     try:
         return built, _load_stages(built)
@@ -248,7 +277,7 @@ def _load_or_rebuild(built: BuildResult, spec: KernelSpec, name: str | None) -> 
                 f"{e}; {paths.ENV_DISABLE_JIT}=1 forbids the rebuild: rebuild it with kdagen build --force, "
                 f"or remove {_entry_of(built)}"
             ) from e.__cause__
-    rebuilt = build_variant(spec, force=True, name=name)
+    rebuilt = build_variant(spec, force=True, name=name, target=target)
     try:
         return rebuilt, _load_stages(rebuilt)
     except LoadError as e:

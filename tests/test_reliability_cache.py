@@ -45,7 +45,7 @@ def fake_build(isolated_env, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """
     state: dict[str, Any] = {"compiles": 0, "loads": [], "libs": True, "bad_loads": 0}
 
-    def compile_all(spec: KernelSpec, plan: Any, rendered: dict[str, str], entry: Path):
+    def compile_all(spec: KernelSpec, plan: Any, rendered: dict[str, str], entry: Path, target: str):
         state["compiles"] += 1
         n = state["compiles"]
         objects: dict[str, bytes] = {s.name: f"obj {s.name} {n}".encode() for s in plan.stages}
