@@ -85,7 +85,7 @@ def _pin_arch(arch: str) -> None:
 def fake_arguments(signature) -> list:
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     symbols: dict[str, object] = {}
 
@@ -97,11 +97,17 @@ def fake_arguments(signature) -> list:
         return symbols[d]
 
     args = []
-    for _name, kind, dtype, shape in signature:
+    for _name, kind, dtype, shape, *layout in signature:
         if kind == "stream":
             # Not an argument of the exported function: TVM-FFI passes its environment stream, which the
             # runtime points at torch's current stream (so launches order with torch work and graph capture).
             args.append(make_fake_stream(use_tvm_ffi_env_stream=True))
+        elif kind == "tensor" and layout:
+            # Explicit strides (a fifth entry): ints are static, names dynamic 64-bit strides, e.g. a state
+            # pool whose slots are further apart than a slot's size.
+            stride = tuple(s if isinstance(s, int) else cute.sym_int64(symbol=s) for s in layout[0])
+            args.append(make_fake_tensor(getattr(cutlass, dtype), tuple(dim(d) for d in shape), stride,
+                                         assumed_align=TENSOR_ALIGN))
         elif kind == "tensor":
             dims = tuple(dim(d) for d in shape)
             order = tuple(range(len(dims) - 1, -1, -1))  # row-major: last dim innermost

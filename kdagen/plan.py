@@ -20,6 +20,9 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
+# Value columns per decode CTA, one thread each: two CTAs a head at V=128, so that a batch of one request
+# still spreads over 2 x HV SMs.
+DECODE_BLOCK_V = 64
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -391,5 +394,22 @@ def make_plan(spec: KernelSpec) -> Plan:
         note="intra-card CP: each segment's pass from its merged initial state",
     )
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
-    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments)
+    # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
+    # family's, since it uses no tensor cores (one thread a value column, the state column in registers).
+    decode = StagePlan(
+        "decode",
+        "common/decode.py.j2",
+        {
+            **common,
+            "gate": spec.gate,
+            "lower_bound": spec.lower_bound,
+            "l2norm_qk": spec.l2norm_qk,
+            "g_dtype": DTYPES[spec.g_dtype].dsl,
+            "beta_dtype": DTYPES[spec.beta_dtype].dsl,
+            "state_layout": spec.state_layout,
+            "block_v": min(DECODE_BLOCK_V, spec.head_dim_v),
+        },
+        note="decode: a few tokens a request on a slot-indexed state pool, in place",
+    )
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)
