@@ -47,6 +47,8 @@ __all__ = [
     "cp_segment_len",
     "cp_candidates",
     "whole_time_us",
+    "two_stage_time_us",
+    "fused_time_us",
     "cp_time_us",
     "fused_args",
     "device_picks_fused",
@@ -177,6 +179,7 @@ class PlanFacts:
 
     v_slices: int = 2  # recurrence CTAs per (sequence, value head): V / block_v
     head_dim_v: int = 128
+    prepare_heads_per_cta: int = 4  # prepare's CTAs cover this many heads (a call's heads round up to it)
     fused_margin: float | None = None  # None: the variant has no fused kernel
     fused_fill: int = 0  # steps to fill the fused kernel's ring (the setup kernel's F)
     pair_step: float | None = None  # None: no CTA-pair form; else a pair's step in one-CTA steps
@@ -190,6 +193,7 @@ class PlanFacts:
         return cls(
             v_slices=spec.head_dim_v // params["recurrence"]["block_v"],
             head_dim_v=spec.head_dim_v,
+            prepare_heads_per_cta=params["prepare"]["heads_per_cta"],
             fused_margin=fwd["fused_margin"] if fused else None,
             fused_fill=fwd["fused_fill_steps"] if fused else 0,
             pair_step=fwd["fused_pair_step"] if fused and pair else None,
@@ -199,65 +203,87 @@ class PlanFacts:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Estimated costs (microseconds unless named otherwise) of the paths of a call, for choosing among them.
+    """Estimated times (microseconds) of the paths of a call, for choosing among them; the constants are
+    least-squares fits to a sweep of `benchmarks/bench_policy.py` on an H100 (K=V=128, bf16, 132 SMs).
 
-    The two-stage recurrence's step slows from `step_us` with few CTAs to `step_loaded_us` when its CTAs
-    fill the SMs (prepare beside it shares HBM and issue slots). Prepare costs `prepare_sm_ns` SM-nanoseconds
-    per token and value head. Under CP, a prescan step plus a segment step cost `cp_step_us` with one CTA an
-    SM and `cp_step_extra_us` more per further resident CTA (at most `cp_ctas_per_sm`; beyond that, waves),
-    and the merge walks a sequence's segments at `merge_step_us` each. The fused kernel steps at
-    `fused_step_us` (one CTA a chain; a pair's step is the plan's `pair_step` of it). Each path adds a fixed
-    cost for its launches. CP is taken only when it is estimated at most `cp_margin` of the whole-sequence
-    path's time; candidate segments hold at least `min_segment` tokens.
-    (docs/experiments.md, 'Intra-card CP segment length', has the measurements behind the values.)
+    Sizes: steps = mean tokens per sequence / 16; `load` = a grid's CTAs / SMs; prepare's work = tokens x
+    value heads rounded up to prepare's heads a CTA, per SM (`_prepare_k`, thousands).
+    - Two-stage path (prepare beside the recurrence): fixed + waves x steps x (step + step_load x load)
+      + prepare, plus the wait of the sequences that prepare reaches late ((N - 1) / N of prepare).
+    - Fused kernel: fixed + waves x (steps + fill) x step, one CTA a chain; in CTA pairs, one wave.
+    - Intra-card CP with segments of L tokens: fixed + L / 16 x (step + step_load x min(load, 1)
+      + step_wave x (load - 1 where over 1)) over the segment CTAs + merge step x segments per sequence (in
+      waves of the merge grid) + prepare alone.
+    CP is taken where its estimate is at most `cp_margin` of the whole-sequence path's, at candidate lengths
+    near `segment_lengths` (the lengths the sweep measures); among candidates within `cp_tie` of the
+    cheapest, the longest (fewer segments: less map memory, and the estimates are good to a few percent)
+    (docs/experiments.md, 'Intra-card CP segment length').
     """
 
-    step_us: float = 0.6
-    step_loaded_us: float = 1.15
-    prepare_sm_ns: float = 103.0
-    fused_step_us: float = 1.65
-    whole_fixed_us: float = 8.0
-    cp_step_us: float = 2.0
-    cp_step_extra_us: float = 1.2
-    cp_ctas_per_sm: int = 2
-    merge_step_us: float = 2.0
-    cp_fixed_us: float = 15.0
-    cp_margin: float = 0.9
-    min_segment: int = 2048
-    segment_counts: tuple[int, ...] = field(default=(2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+    step_us: float = 0.548
+    step_load_us: float = 0.1265
+    prepare_sm_ns: float = 75.8
+    prepare_wait_sm_ns: float = 11.8
+    two_stage_fixed_us: float = 11.9
+    fused_step_us: float = 1.66
+    fused_fixed_us: float = 9.0
+    pair_step_us: float = 1.018
+    pair_fixed_us: float = 13.0
+    cp_step_us: float = 1.129
+    cp_step_load_us: float = 1.665
+    cp_step_wave_us: float = 1.965
+    merge_step_us: float = 1.509
+    cp_prepare_sm_ns: float = 22.53
+    cp_fixed_us: float = 14.4
+    cp_margin: float = 1.0
+    cp_tie: float = 0.03
+    segment_lengths: tuple[int, ...] = field(default=(1024, 2048, 4096, 8192, 16384))
 
 
 COSTS = CostModel()
 
 
-def _steps(tokens: float) -> int:
-    return max(1, math.ceil(tokens / CHUNK))
+def _steps(tokens: float) -> float:
+    return max(1.0, tokens / CHUNK)
 
 
-def _prepare_us(total: int, hv: int, sms: int, costs: CostModel) -> float:
-    return total * hv * costs.prepare_sm_ns / 1000.0 / sms
+def _prepare_k(total: int, hv: int, sms: int, facts: PlanFacts) -> float:
+    """Prepare's work per SM in thousands of token-heads (heads rounded up to prepare's heads a CTA)."""
+    per_cta = facts.prepare_heads_per_cta
+    return total * (-(-hv // per_cta) * per_cta) / sms / 1000.0
+
+
+def two_stage_time_us(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts,
+                      costs: CostModel = COSTS) -> float:
+    """Estimated time of prepare and the recurrence beside it (sequences of the mean length)."""
+    steps = _steps(total / nseq)
+    ctas = nseq * hv * facts.v_slices
+    waves = math.ceil(ctas / sms)
+    load = min(ctas, sms) / sms
+    prep = _prepare_k(total, hv, sms, facts)
+    return (costs.two_stage_fixed_us + waves * steps * (costs.step_us + costs.step_load_us * load)
+            + prep * (costs.prepare_sm_ns + costs.prepare_wait_sm_ns * (nseq - 1) / nseq))
+
+
+def fused_time_us(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, pair: bool,
+                  costs: CostModel = COSTS) -> float:
+    """Estimated time of the fused kernel, one CTA a chain or (`pair`) a CTA pair a chain."""
+    steps = _steps(total / nseq) + facts.fused_fill
+    if pair:
+        return costs.pair_fixed_us + steps * costs.pair_step_us
+    return costs.fused_fixed_us + math.ceil(nseq * hv / sms) * steps * costs.fused_step_us
 
 
 def whole_time_us(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, costs: CostModel = COSTS,
                   policy: SchedulePolicy = AUTO) -> float:
-    """Estimated time of the whole-sequence path (the setup kernel's pick between the two-stage path and the
-    fused kernel, for sequences of the mean length)."""
-    mean = total / nseq
-    steps = _steps(mean)
-    prep = _prepare_us(total, hv, sms, costs)
-    rec_ctas = nseq * hv * facts.v_slices
-    waves = math.ceil(rec_ctas / sms)
-    step = costs.step_us + (costs.step_loaded_us - costs.step_us) * min(1.0, rec_ctas / sms)
-    two_stage = max(waves * steps * step, prep) + costs.whole_fixed_us
+    """Estimated time of the whole-sequence path the call takes (the setup kernel's pick resolved for
+    sequences of the mean length)."""
     args = fused_args(nseq, hv, total, sms, facts, policy)
-    if not args or args[0] == 0:
-        return two_stage
     pair = len(args) > 2 and bool(args[2])
-    if args[0] == 1 and not device_picks_fused((total / nseq,) * nseq, hv, sms, facts, pair):
-        return two_stage
-    chains = nseq * hv
-    fused_step = costs.fused_step_us * (facts.pair_step if pair and facts.pair_step else 1.0)
-    return math.ceil(chains / sms) * (steps + facts.fused_fill) * fused_step + costs.whole_fixed_us
+    if args and (args[0] == 2 or (args[0] == 1 and device_picks_fused(
+            (total / nseq,) * nseq, hv, sms, facts, pair))):
+        return fused_time_us(nseq, total, hv, sms, facts, pair, costs)
+    return two_stage_time_us(nseq, total, hv, sms, facts, costs)
 
 
 def cp_time_us(nseq: int, total: int, hv: int, sms: int, seg_len: int, facts: PlanFacts,
@@ -265,24 +291,25 @@ def cp_time_us(nseq: int, total: int, hv: int, sms: int, seg_len: int, facts: Pl
     """Estimated time of intra-card CP with segments of `seg_len` tokens (sequences of the mean length):
     prepare alone, the prescan and segment passes, the merge."""
     segments = max(1, math.ceil(total / nseq / seg_len))
-    ctas = nseq * segments * hv * facts.v_slices
-    resident = min(costs.cp_ctas_per_sm, math.ceil(ctas / sms))
-    waves = math.ceil(ctas / (resident * sms))
-    passes = _steps(seg_len) * waves * (costs.cp_step_us + costs.cp_step_extra_us * (resident - 1))
-    merge_ctas = nseq * hv * max(1, facts.head_dim_v // 16)
-    merge = segments * costs.merge_step_us * math.ceil(merge_ctas / sms)
-    return _prepare_us(total, hv, sms, costs) + passes + merge + costs.cp_fixed_us
+    load = nseq * segments * hv * facts.v_slices / sms
+    passes = _steps(seg_len) * (costs.cp_step_us + costs.cp_step_load_us * min(load, 1.0)
+                                + costs.cp_step_wave_us * max(load - 1.0, 0.0))
+    merge_waves = math.ceil(nseq * hv * max(1, facts.head_dim_v // 16) / sms)
+    return (costs.cp_fixed_us + passes + segments * merge_waves * costs.merge_step_us
+            + _prepare_k(total, hv, sms, facts) * costs.cp_prepare_sm_ns)
 
 
 def cp_candidates(nseq: int, total: int, costs: CostModel = COSTS) -> list[int]:
-    """Segment lengths the cost model weighs: the mean sequence cut into each of `costs.segment_counts`
-    pieces (rounded up to whole steps), at least `costs.min_segment` tokens each."""
+    """Segment lengths the cost model weighs: for each of `costs.segment_lengths` shorter than the mean
+    sequence, the mean cut into as many equal pieces as that length needs (rounded up to whole steps; the
+    length itself where it divides the mean)."""
     mean = total / nseq
     out: list[int] = []
-    for count in costs.segment_counts:
-        seg = math.ceil(mean / count / CHUNK) * CHUNK
-        if seg >= costs.min_segment and seg not in out and seg < mean:
-            out.append(seg)
+    for length in costs.segment_lengths:
+        if length < mean:
+            seg = math.ceil(mean / math.ceil(mean / length) / CHUNK) * CHUNK
+            if seg not in out:
+                out.append(seg)
     return out
 
 
@@ -290,10 +317,10 @@ def cp_segment_len(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts,
                    policy: SchedulePolicy = AUTO, costs: CostModel = COSTS) -> int | None:
     """Segment length for intra-card CP, or None for whole sequences.
 
-    Forced by the policy, else the cheapest of the whole-sequence path and CP at each candidate length by
-    the cost model, CP only where it is estimated at most `costs.cp_margin` of the whole path. Calls whose
-    recurrence grid already covers half the SMs or more keep whole sequences: CP repeats every step about
-    2.5 times over, which only idle SMs repay.
+    Forced by the policy, else by the cost model: CP where its cheapest candidate is estimated at most
+    `costs.cp_margin` of the whole-sequence path, with the longest candidate within `costs.cp_tie` of that
+    cheapest. Calls whose recurrence grid already covers half the SMs or more keep whole sequences: CP
+    repeats every step about 2.5 times over, which only idle SMs repay.
     """
     if policy.intracard_cp == "off":
         return None
@@ -304,9 +331,11 @@ def cp_segment_len(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts,
     candidates = cp_candidates(nseq, total, costs)
     if not candidates:
         return None
-    best = min(candidates, key=lambda s: cp_time_us(nseq, total, hv, sms, s, facts, costs))
-    whole = whole_time_us(nseq, total, hv, sms, facts, costs, policy)
-    return best if cp_time_us(nseq, total, hv, sms, best, facts, costs) <= costs.cp_margin * whole else None
+    est = {seg: cp_time_us(nseq, total, hv, sms, seg, facts, costs) for seg in candidates}
+    cheapest = min(est.values())
+    if cheapest > costs.cp_margin * whole_time_us(nseq, total, hv, sms, facts, costs, policy):
+        return None
+    return max(seg for seg, t in est.items() if t <= cheapest * (1.0 + costs.cp_tie))
 
 
 # ---------------------------------------------------------------------------------------------------------
