@@ -258,6 +258,7 @@ class KDAKernel:
         self._forward = stages["forward"]  # the whole-sequence path: setup, prepare, recurrence in one call
         self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
+        self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
         params = {s.name: s.params for s in plan.stages}
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
@@ -336,6 +337,61 @@ class KDAKernel:
             t = self._dummies[key] = make()
         return t
 
+    def _gate_args(self, A_log: Any, dt_bias: Any, hv: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        # (A_log [HV], dt_bias [HV * K]) for an in-kernel gate, zeros where not given; () for a precomputed g.
+        if self.spec.gate == "precomputed":
+            return ()
+        kdim = self.spec.head_dim_k
+        a_log = A_log if A_log is not None else self._cached(
+            ("zeros", device, hv), lambda: torch.zeros(hv, dtype=torch.float32, device=device))
+        if dt_bias is None:
+            bias = self._cached(("zeros", device, hv * kdim),
+                                lambda: torch.zeros(hv * kdim, dtype=torch.float32, device=device))
+        else:  # [HV * K], as FLA takes it and the forward stage reads it
+            bias = _prepared(dt_bias if dt_bias.dim() == 1 else dt_bias.reshape(hv * kdim))
+        return (_prepared(a_log), bias)
+
+    def _stream_scope(self, device: torch.device) -> Any:
+        # The stages launch on TVM-FFI's environment stream, which must be torch's current stream (calls then
+        # order with surrounding torch work and are recorded by CUDA-graph capture). A torch with the DLPack
+        # exchange API (2.10+) hands TVM-FFI that stream with the first tensor argument; an older one needs it
+        # set explicitly, which costs a stream query per call.
+        if _TORCH_SETS_FFI_STREAM:
+            return contextlib.nullcontext()
+        ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
+        return self._ffi.use_raw_stream(ffi_device, torch.cuda.current_stream(device).cuda_stream)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        state_pool: torch.Tensor,
+        state_indices: torch.Tensor,
+        scale: float | None = None,
+        A_log: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        num_accepted_tokens: torch.Tensor | None = None,
+        has_initial_state: torch.Tensor | None = None,
+        update_state: bool = True,
+        cu_seqlens: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode or speculative-decode verify on a slot-indexed state pool, in place; returns o
+        [N, S, HV, V] (or `out`). Gate, beta and l2norm as in the forward. The contract (shapes, slots,
+        padding, FLA's verify semantics): `kdagen.decode`."""
+        from kdagen.decode import run_decode
+
+        if self._decode is None:
+            raise InputError(f"{self.name or self.spec.slug()}: this build has no decode stage; rebuild it")
+        return run_decode(self, q, k, v, g, beta, state_pool=state_pool, state_indices=state_indices,
+                          scale=scale, A_log=A_log, dt_bias=dt_bias, num_accepted_tokens=num_accepted_tokens,
+                          has_initial_state=has_initial_state, update_state=update_state,
+                          cu_seqlens=cu_seqlens, out=out)
+
     def _validate(
         self,
         q: Any,
@@ -412,16 +468,7 @@ class KDAKernel:
         cu = _prepared(cu)
         q, k, v, g, beta = _prepared(q), _prepared(k), _prepared(v), _prepared(g), _prepared(beta)
 
-        gate_args: tuple[torch.Tensor, ...] = ()
-        if spec.gate != "precomputed":
-            a_log = A_log if A_log is not None else self._cached(
-                ("zeros", device, hv), lambda: torch.zeros(hv, dtype=torch.float32, device=device))
-            if dt_bias is None:
-                bias = self._cached(("zeros", device, hv * kdim),
-                                    lambda: torch.zeros(hv * kdim, dtype=torch.float32, device=device))
-            else:  # [HV * K], as FLA takes it and the forward stage reads it
-                bias = _prepared(dt_bias if dt_bias.dim() == 1 else dt_bias.reshape(hv * kdim))
-            gate_args = (_prepared(a_log), bias)
+        gate_args = self._gate_args(A_log, dt_bias, hv, device)
         unused = self._cached(("state", device, hv), lambda: torch.zeros(
             self._state_shape(1, hv), dtype=torch.float32, device=device))
         h0 = _prepared(initial_state) if initial_state is not None else unused
@@ -434,15 +481,7 @@ class KDAKernel:
             if output_final_state else None
         ht_arg = ht if ht is not None else unused
 
-        # The stages launch on TVM-FFI's environment stream, which must be torch's current stream (calls then
-        # order with surrounding torch work and are recorded by CUDA-graph capture). A torch with the DLPack
-        # exchange API (2.10+) hands TVM-FFI that stream with the first tensor argument; an older one needs it
-        # set explicitly, which costs a stream query per call.
-        if _TORCH_SETS_FFI_STREAM:
-            stream_scope = contextlib.nullcontext()
-        else:
-            ffi_device = self._cached(("ffi", device), lambda: self._ffi.device(f"cuda:{device.index or 0}"))
-            stream_scope = self._ffi.use_raw_stream(ffi_device, torch.cuda.current_stream(device).cuda_stream)
+        stream_scope = self._stream_scope(device)
         sms = self._sm_count(device)
         sched = self._schedule(nseq, total, hv, sms, policy)
         items = ws.tile_slots * -(-hv // self._prepare_heads_per_cta)

@@ -28,6 +28,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "cp_prescan": "mma_sync/recurrence.py.j2",
         "cp_merge": "mma_sync/cp_merge.py.j2",
         "cp_segments": "mma_sync/recurrence.py.j2",
+        "decode": "common/decode.py.j2",
     }
 
 
@@ -51,6 +52,7 @@ def test_other_targets_are_mma_sync(arch: str):
     assert plan.family == "mma_sync"
     templates = _templates(KernelSpec(arch=arch))
     assert templates.pop("forward") == "common/forward.py.j2"
+    assert templates.pop("decode") == "common/decode.py.j2"
     assert all(t.startswith("mma_sync/") for t in templates.values())
 
 
@@ -62,7 +64,7 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     names = [s.name for s in plan.stages]
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
-    assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments"]
+    assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode"]
 
 
 @pytest.mark.parametrize(

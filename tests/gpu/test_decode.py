@@ -1,0 +1,241 @@
+"""GPU numerics of `KDAKernel.decode` against the fp64 token recurrence: plain decode on a slot-indexed pool
+(both layouts, an interleaved pool, padding slots, fresh requests), speculative-decode verify with FLA's
+slot semantics, output-only verify, 256 consecutive steps, decode after a prefill, and CUDA-graph replay.
+Relative RMSE of o and of every written state within 0.005; padding and unrelated slots bitwise untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdagen.errors import InputError
+from kdagen.reference import assert_close, kda_recurrent_reference, make_inputs
+
+try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
+    from . import _cases as cases  # type: ignore[no-redef]
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _cases as cases  # type: ignore[no-redef]
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90a)"),
+]
+
+TOL = cases.GPU_TOL
+DECODE_SPECS = [
+    "lb_safe",
+    "softplus",
+    "p_reset_vk_bbf16",
+    "lb_safe_gva2_vk_bbf16",
+    "lb_safe_gva4_k64v64",
+    "lb_safe_k128v64_vk",
+]
+
+
+def _inputs(spec: dict[str, Any], n: int, s: int, h: int, seed: int, init: bool = True) -> dict[str, Any]:
+    return make_inputs(
+        n,
+        s,
+        h,
+        h * spec["gva_ratio"],
+        spec["head_dim_k"],
+        spec["head_dim_v"],
+        dtype=spec["dtype"],
+        beta_dtype=spec["beta_dtype"],
+        g_dtype=spec["g_dtype"],
+        gate=spec["gate"],
+        safe_gate=spec["safe_gate"],
+        lower_bound=spec["lower_bound"],
+        seed=seed,
+        device="cuda",
+        l2norm_qk=spec["l2norm_qk"],
+        with_initial_state=init,
+        state_layout=spec["state_layout"],
+    )
+
+
+def _reference(
+    spec: dict[str, Any], inp: dict[str, Any], h0: torch.Tensor | None
+) -> tuple[torch.Tensor, Any]:
+    args = {**inp, "initial_state": h0}
+    return kda_recurrent_reference(
+        **args,
+        output_final_state=True,
+        gate=spec["gate"],
+        lower_bound=spec["lower_bound"],
+        l2norm_qk=spec["l2norm_qk"],
+        state_layout=spec["state_layout"],
+    )
+
+
+def _call(kernel: Any, inp: dict[str, Any], **kw: Any) -> torch.Tensor:
+    return kernel.decode(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"], **kw
+    )
+
+
+def _pool(spec: dict[str, Any], slots: int, hv: int, interleave: int = 1) -> torch.Tensor:
+    """A pool whose slots are `interleave` slot sizes apart (as when layers share one allocation)."""
+    k, v = spec["head_dim_k"], spec["head_dim_v"]
+    inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
+    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=torch.float32)
+    return base[:, 0]
+
+
+@pytest.mark.parametrize("spec_name", DECODE_SPECS)
+@pytest.mark.parametrize("interleave", [1, 3])
+def test_decode_step_on_a_pool(spec_name: str, interleave: int) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    n, h = 6, 2
+    hv = h * spec["gva_ratio"]
+    inp = _inputs(spec, n, 1, h, seed=11)
+    pool = _pool(spec, 16, hv, interleave)
+    idx = torch.tensor([3, 9, -1, 0, 15, 7], dtype=torch.int64, device="cuda")  # one padding entry
+    before = pool.clone()
+    h0 = torch.stack([pool[max(int(i), 0)] for i in idx.tolist()])
+    o = _call(kernel, inp, state_pool=pool, state_indices=idx)
+    torch.cuda.synchronize()
+    ref_o, ref_ht = _reference(spec, inp, h0)
+    live = idx >= 0
+    assert_close("o", ref_o[live], o[live], TOL)
+    assert torch.count_nonzero(o[~live]) == 0, "o of a padding slot is not zero"
+    for row, slot in enumerate(idx.tolist()):
+        if slot >= 0:
+            assert_close(f"pool[{slot}]", ref_ht[row], pool[slot], TOL)
+    untouched = [s for s in range(16) if s not in idx.tolist()]
+    assert torch.equal(pool[untouched], before[untouched]), "a slot no request names was written"
+
+
+@pytest.mark.parametrize("spec_name", ["lb_safe", "p_reset_vk_bbf16", "lb_safe_gva4_k64v64"])
+@pytest.mark.parametrize("accepted", [[1, 2, 4], [4, 1, 3]])
+def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, accepted: list[int]) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    n, s, h = 3, 4, 2
+    hv = h * spec["gva_ratio"]
+    inp = _inputs(spec, n, s, h, seed=5)
+    pool = _pool(spec, 4 * n + 2, hv)
+    idx = torch.arange(4 * n, device="cuda", dtype=torch.int32).view(n, 4)  # request r owns slots 4r..4r+3
+    acc = torch.tensor(accepted, dtype=torch.int32, device="cuda")
+    h0 = torch.stack([pool[int(idx[r, a - 1])] for r, a in enumerate(accepted)])
+    o = _call(kernel, inp, state_pool=pool, state_indices=idx, num_accepted_tokens=acc)
+    torch.cuda.synchronize()
+    ref_o, _ = _reference(spec, inp, h0)
+    assert_close("o", ref_o, o, TOL)
+    for t in range(s):
+        part = {
+            key: (val[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else val) for key, val in inp.items()
+        }
+        _, ref_t = _reference(spec, part, h0)
+        for r in range(n):
+            assert_close(f"state after token {t} of request {r}", ref_t[r], pool[int(idx[r, t])], TOL)
+
+
+def test_output_only_verify_and_fresh_requests() -> None:
+    spec = cases.SPECS["lb_safe"]
+    kernel = cases.kernel_for("lb_safe")
+    n, s, h = 4, 3, 2
+    inp = _inputs(spec, n, s, h, seed=8)
+    pool = _pool(spec, 8, h)
+    before = pool.clone()
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]], dtype=torch.int32, device="cuda")
+    fresh = torch.tensor([True, False, True, False], device="cuda")  # has_initial_state
+    o = _call(kernel, inp, state_pool=pool, state_indices=idx, has_initial_state=fresh, update_state=False)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before), "update_state=False wrote the pool"
+    h0 = torch.stack([pool[int(idx[r, 0])] * float(fresh[r]) for r in range(n)])
+    ref_o, _ = _reference(spec, inp, h0)
+    assert_close("o", ref_o, o, TOL)
+
+
+@pytest.mark.parametrize("spec_name", ["lb_safe", "softplus"])
+def test_256_consecutive_steps(spec_name: str) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    n, steps, h = 3, 256, 2
+    inp = _inputs(spec, n, steps, h, seed=21)
+    pool = _pool(spec, n, h * spec["gva_ratio"])
+    h0 = pool.clone()
+    idx = torch.arange(n, dtype=torch.int32, device="cuda")
+    outs = []
+    for t in range(steps):
+        step = {
+            key: (val[:, t : t + 1] if key in ("q", "k", "v", "g", "beta") else val)
+            for key, val in inp.items()
+        }
+        outs.append(_call(kernel, step, state_pool=pool, state_indices=idx))
+    torch.cuda.synchronize()
+    ref_o, ref_ht = _reference(spec, inp, h0)
+    assert_close("o after 256 steps", ref_o, torch.cat(outs, dim=1), TOL)
+    assert_close("state after 256 steps", ref_ht, pool, TOL)
+
+
+def test_decode_continues_a_prefill_and_replays_in_a_cuda_graph() -> None:
+    spec = cases.SPECS["lb_safe_gbf16"]
+    kernel = cases.kernel_for("lb_safe_gbf16")
+    n, h, prompt = 2, 4, 300
+    full = _inputs(spec, n, prompt + 2, h, seed=3, init=False)
+    pre = {
+        key: (val[:, :prompt] if key in ("q", "k", "v", "g", "beta") else val) for key, val in full.items()
+    }
+    _, ht = kernel(
+        pre["q"],
+        pre["k"],
+        pre["v"],
+        pre["g"],
+        pre["beta"],
+        A_log=pre["A_log"],
+        dt_bias=pre["dt_bias"],
+        output_final_state=True,
+    )
+    pool = torch.zeros(5, *ht.shape[1:], device="cuda")
+    idx = torch.tensor([4, 1], dtype=torch.int32, device="cuda")
+    pool[idx.long()] = ht
+    steps = [
+        {
+            key: (val[:, prompt + t : prompt + t + 1] if key in ("q", "k", "v", "g", "beta") else val)
+            for key, val in full.items()
+        }
+        for t in range(2)
+    ]
+    static = {key: (val.clone() if isinstance(val, torch.Tensor) else val) for key, val in steps[0].items()}
+    out = torch.empty_like(static["v"])
+    _call(kernel, static, state_pool=pool.clone(), state_indices=idx, out=out)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _call(kernel, static, state_pool=pool, state_indices=idx, out=out)
+    outs = []
+    for step in steps:
+        cases.copy_into(static, step)
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    ref_o, ref_ht = _reference(spec, full, None)
+    assert_close("o of the decode steps", ref_o[:, prompt:], torch.cat(outs, dim=1), TOL)
+    assert_close("state after prefill + 2 decode steps", ref_ht, pool[idx.long()], TOL)
+
+
+def test_bad_decode_arguments_are_refused_before_any_launch() -> None:
+    spec = cases.SPECS["lb_safe"]
+    kernel = cases.kernel_for("lb_safe")
+    inp = _inputs(spec, 2, 1, 2, seed=1)
+    pool = _pool(spec, 4, 2)
+    idx = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(InputError, match="state_pool: expected dtype torch.float32"):
+        _call(kernel, inp, state_pool=pool.half(), state_indices=idx)
+    with pytest.raises(InputError, match="state_indices: expected \\[N\\] or \\[N, M\\] with N = 2"):
+        _call(kernel, inp, state_pool=pool, state_indices=idx[:1])
+    with pytest.raises(InputError, match="state_indices: expected dtype"):
+        _call(kernel, inp, state_pool=pool, state_indices=idx.float())
+    with pytest.raises(InputError, match="state_pool: expected each slot compact"):
+        _call(kernel, inp, state_pool=pool.transpose(2, 3), state_indices=idx)
+    with pytest.raises(InputError, match="num_accepted_tokens: given, but state_indices has one column"):
+        _call(kernel, inp, state_pool=pool, state_indices=idx, num_accepted_tokens=idx)
