@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FLA not available ({type(e).__name__}: {e}); kdagen only")
     ns, ss = ((1, 32, 256), (1, 4)) if args.quick else (NS, SS)
     rows = []
-    head = f"{'HV':>3} {'N':>4} {'S':>2} {'kdagen us':>10} {'FLA us':>9} {'speedup':>8} {'floor us':>9} {'x floor':>8}"
+    cols = (("HV", 3), ("N", 4), ("S", 2), ("kdagen us", 10), ("FLA us", 9), ("speedup", 8), ("floor us", 9),
+            ("x floor", 8))
+    head = " ".join(f"{name:>{width}}" for name, width in cols)
     print(
         f"{card.name}: {args.spec} ({spec.state_layout}, fp32 state), CUDA-graph replay device time\n{head}"
     )
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                     sp = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
                     fla_txt = f"{theirs:9.1f}" if theirs else f"{'-':>9}"
                     print(
-                        f"{hv:>3} {n:>4} {s:>2} {ours:10.1f} {fla_txt} {sp:>8} {fl:9.1f} {row['x_floor']:7.2f}x",
+                        f"{hv:>3} {n:>4} {s:>2} {ours:10.1f} {fla_txt} {sp:>8} {fl:9.1f} "
+                        f"{row['x_floor']:7.2f}x",
                         flush=True,
                     )
     args.out.mkdir(parents=True, exist_ok=True)
