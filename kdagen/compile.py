@@ -103,9 +103,15 @@ def fake_arguments(signature) -> list:
             # runtime points at torch's current stream (so launches order with torch work and graph capture).
             args.append(make_fake_stream(use_tvm_ffi_env_stream=True))
         elif kind == "tensor" and layout:
-            # Explicit strides (a fifth entry): ints are static, names dynamic 64-bit strides, e.g. a state
-            # pool whose slots are further apart than a slot's size.
-            stride = tuple(s if isinstance(s, int) else cute.sym_int64(symbol=s) for s in layout[0])
+            # Explicit strides (a fifth entry): ints are static, a name or (name, divisor) a dynamic 64-bit
+            # stride, e.g. a state pool whose slots are further apart than a slot's size (the divisor lets
+            # the compiler prove vector alignment).
+            stride = tuple(
+                s if isinstance(s, int)
+                else cute.sym_int64(symbol=s[0], divisibility=s[1]) if isinstance(s, tuple)
+                else cute.sym_int64(symbol=s)
+                for s in layout[0]
+            )
             args.append(make_fake_tensor(getattr(cutlass, dtype), tuple(dim(d) for d in shape), stride,
                                          assumed_align=TENSOR_ALIGN))
         elif kind == "tensor":

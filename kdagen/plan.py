@@ -20,9 +20,6 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
-# Value columns per decode CTA, one thread each: two CTAs a head at V=128, so that a batch of one request
-# still spreads over 2 x HV SMs.
-DECODE_BLOCK_V = 64
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -407,7 +404,6 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "state_layout": spec.state_layout,
-            "block_v": min(DECODE_BLOCK_V, spec.head_dim_v),
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
