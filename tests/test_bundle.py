@@ -378,6 +378,18 @@ def test_cli_build_refuses_a_directory_that_is_not_a_bundle(fake_build, tmp_path
     assert "is not a kdagen bundle" in result.output
 
 
+def test_cli_build_writes_no_bundle_when_a_variant_fails(fake_build, tmp_path: Path, monkeypatch):
+    def compile_all(spec: KernelSpec, *args: Any) -> None:
+        raise kdagen.BuildError("boom")
+
+    monkeypatch.setattr(kdagen.build, "_compile_all", compile_all)
+    dest = tmp_path / "bundle"
+    result = CliRunner().invoke(cli, ["build", "specs/sm90.yaml:k128", "--bundle", str(dest)])
+    assert result.exit_code == 1
+    assert f"no bundle written to {dest}" in result.output
+    assert not dest.exists()
+
+
 # -- one real variant, loaded from a bundle in a fresh process ----------------------------------------------
 
 REF = "specs/sm90.yaml:k64"
