@@ -408,9 +408,12 @@ _CHILD = textwrap.dedent(
     kernel = kdagen.get_kernel({ref!r})
     report["first_get_kernel"] = time.perf_counter() - t0
     report["first_total"] = report["load_bundle"] + report["first_get_kernel"]
-    t0 = time.perf_counter()
-    again = kdagen.get_kernel({ref!r})
-    report["later_get_kernel"] = time.perf_counter() - t0
+    laps = []
+    for _ in range(200):  # later calls: the median of many, a single one is at the mercy of the scheduler
+        t0 = time.perf_counter()
+        again = kdagen.get_kernel(kernel.spec)
+        laps.append(time.perf_counter() - t0)
+    report["later_get_kernel"] = sorted(laps)[len(laps) // 2]
     report["same"] = again is kernel
     report["type"] = type(kernel).__name__
     report["jinja2"] = sorted(m for m in sys.modules if m.split(".")[0] == "jinja2")
@@ -455,4 +458,4 @@ def test_a_fresh_process_gets_a_kernel_from_a_bundle_without_jinja(real_bundle: 
     assert not (tmp_path / "empty-cache").exists()  # nothing looked up or written in the cache
     # The aim is 50 ms on a GPU host after `import torch`; this shared CPU box gets a generous bound.
     assert report["first_total"] < 2.0
-    assert report["later_get_kernel"] < 0.01
+    assert report["later_get_kernel"] < 0.001
