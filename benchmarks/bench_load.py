@@ -9,7 +9,10 @@ variants first: ``kdagen build SPECFILE``. Imports are part of the first load, s
 bytecode (a read-only site, or ``PYTHONDONTWRITEBYTECODE``) compiles every module again in every process:
 point ``PYTHONPYCACHEPREFIX`` at a writable directory there, and unset ``PYTHONDONTWRITEBYTECODE``.
 
-    PYTHONPATH=. python benchmarks/bench_load.py [SPECFILE] [--processes 5]
+    PYTHONPATH=. python benchmarks/bench_load.py [SPECFILE] [--processes 5] [--bundle DIR]
+
+``--bundle DIR`` sets ``KDAGEN_BUNDLE=DIR`` in each process, so the kernels come from a bundle written by
+``kdagen build SPECFILE --bundle DIR`` (the first get_kernel then includes reading its manifest).
 
 It prints its results and writes no file; a log of a run belongs in ``benchmarks/out/`` (git-ignored), e.g.
 ``... | tee benchmarks/out/bench_load.log``.
@@ -70,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("specfile", nargs="?", default="specs/sm90.yaml")
     p.add_argument("--processes", type=int, default=5)
+    p.add_argument("--bundle", default=None, metavar="DIR", help="load the kernels from this bundle")
     args = p.parse_args(argv)
     env = {**os.environ, "KDAGEN_DISABLE_JIT": "1"}
+    if args.bundle:
+        env["KDAGEN_BUNDLE"] = str(Path(args.bundle).resolve())
     runs = []
     for _ in range(args.processes):
         out = subprocess.run([sys.executable, "-c", _CHILD, str(Path(args.specfile))],
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return f"{1e3 * statistics.median(values):.1f} ms"
 
     names = runs[0]["names"]
-    print(f"{args.specfile}: {len(names)} variants, {len(runs)} fresh processes (medians over them)")
+    source = f"bundle {args.bundle}" if args.bundle else "the cache"
+    print(f"{args.specfile}: {len(names)} variants from {source}, {len(runs)} fresh processes "
+          "(medians over them)")
     print("  import torch (and CUDA init with a GPU)".ljust(44) + ms([r["import_torch"] for r in runs]))
     print("  import kdagen".ljust(44) + ms([r["import_kdagen"] for r in runs]))
     firsts = [r["loads"][0] for r in runs]

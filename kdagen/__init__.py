@@ -9,6 +9,7 @@ are imported when a kernel is built or loaded.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from kdagen.errors import (
@@ -24,6 +25,7 @@ from kdagen.spec import KernelSpec, load_spec_file, resolve_spec
 from kdagen.version import __version__
 
 if TYPE_CHECKING:
+    from kdagen.bundle import Bundle
     from kdagen.policy import SchedulePolicy
     from kdagen.runtime import KDAKernel
 
@@ -33,6 +35,7 @@ __all__ = [
     "load_spec_file",
     "resolve_spec",
     "get_kernel",
+    "load_bundle",
     "KdagenError",
     "SpecError",
     "InputError",
@@ -41,6 +44,20 @@ __all__ = [
     "BuildError",
     "LoadError",
 ]
+
+
+def load_bundle(directory: str | os.PathLike[str], verify: bool = False) -> Bundle:
+    """Make `get_kernel` load the variants of the bundle in `directory` (written by ``kdagen build SPECFILE
+    --bundle DIR``) from it, before looking in the cache: no render, no hashing of sources, no Jinja.
+
+    Reads and checks the manifest now, and refuses (`kdagen.bundle.BundleError`, a `LoadError`) a bundle of
+    another format or kdagen version, one built with another CuTe DSL / TVM-FFI / libs flavour, and, where a
+    GPU is present, one with no variant for its target. `verify` also checks every file's sha256 now.
+    ``KDAGEN_BUNDLE=DIR`` does the same at the first `get_kernel`. See `kdagen.bundle`.
+    """
+    from kdagen.bundle import load_bundle as _load  # lazy, like the build layer
+
+    return _load(directory, verify=verify)
 
 
 def get_kernel(

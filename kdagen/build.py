@@ -5,6 +5,9 @@ spec -> plan -> rendered sources -> key -> cache (compile on a miss) -> loaded k
 A build that found or made its entry remembers its sources' digests (`kdagen.source_memo`); the next process
 asking for the same spec with the same templates and generator computes the key from them and loads without
 importing Jinja or rendering. Anything short of a complete entry under that key renders as before.
+
+`get_kernel` looks in the registered bundles (`kdagen.bundle`) before all of that: a spec found there is
+planned and loaded from the bundle's files, with no key computed at all.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kdagen import paths, source_memo
+from kdagen import bundle, paths, source_memo
 from kdagen.cache import ArtifactCache
 from kdagen.errors import BuildError, CacheMissError, LoadError
 from kdagen.keys import cache_key, key_from_digests, source_digests, toolchain_fingerprint
@@ -257,11 +260,39 @@ def get_kernel(spec: Any, force: bool = False, target: str | None = None):
 def _kernel(spec: KernelSpec, name: str | None, force: bool, target: str | None = None):
     from kdagen.runtime import KDAKernel
 
-    built = build_variant(spec, force=force, name=name, target=target)
+    if not force and target is None:  # a forced rebuild, or a test-only target, is the cache's business
+        entry = bundle.find(spec.canonical_json())
+        if entry is not None:
+            return _bundled(spec, name, entry)
+    try:
+        built = build_variant(spec, force=force, name=name, target=target)
+    except CacheMissError as e:
+        if not bundle.registered():
+            raise
+        raise CacheMissError(f"{e}; not in the bundle(s) searched either: {bundle.searched()}") from e
     hit = None if force else _loaded.get(built.key)
     if hit is None:
         built, funcs = _load_or_rebuild(built, spec, name, target)
         hit = _loaded[built.key] = KDAKernel(spec, built.plan, funcs, name=name)
+    return hit
+
+
+def _bundled(spec: KernelSpec, name: str | None, entry: bundle.BundleEntry):
+    """The kernel of a bundle's entry: planned here (pure Python), loaded from the bundle's files; nothing
+    rendered or hashed. One kernel per key and process, shared with the cache path."""
+    from kdagen.runtime import KDAKernel
+
+    hit = _loaded.get(entry.key)
+    if hit is None:
+        plan = make_plan(spec)
+        if tuple(plan.stage_names) != entry.stages:
+            raise bundle.BundleError(
+                f"bundle {entry.bundle}: variant {', '.join(entry.names) or entry.key} has stages "
+                f"{', '.join(entry.stages)}, and this kdagen plans {', '.join(plan.stage_names)}; "
+                "build the bundle again with this kdagen"
+            )
+        funcs = entry.load()
+        hit = _loaded[entry.key] = KDAKernel(spec, plan, funcs, name=name or next(iter(entry.names), None))
     return hit
 
 

@@ -131,9 +131,20 @@ def _build_one(ref: str, force: bool) -> Any:
     help="Compile this many variants in parallel (one process each).",
 )
 @click.option("--force", is_flag=True, help="Compile even when the cache has the artifacts.")
+@click.option(
+    "--bundle",
+    "bundle_dir",
+    default=None,
+    metavar="DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Also write the variants' artifacts and a manifest to DIR, for kdagen.load_bundle / KDAGEN_BUNDLE "
+    "on a serving host (replaces a bundle already there).",
+)
 @_errors
-def build(specfiles: tuple[str, ...], variants: tuple[str, ...], jobs: int, force: bool) -> None:
-    """Compile variants into the artifact cache (no GPU needed)."""
+def build(
+    specfiles: tuple[str, ...], variants: tuple[str, ...], jobs: int, force: bool, bundle_dir: Path | None
+) -> None:
+    """Compile variants into the artifact cache (no GPU needed), and optionally bundle them."""
     selected = _select(specfiles, variants)
     refs = [f"{path}:{name}" for path, name, _ in selected]
     results: dict[str, Any] = {}
@@ -197,7 +208,25 @@ def build(specfiles: tuple[str, ...], variants: tuple[str, ...], jobs: int, forc
         err = _console(stderr=True)
         for ref, msg in failures.items():
             err.print(f"[red]failed[/red] {ref}: {msg}", markup=True, soft_wrap=True)
+        if bundle_dir is not None:
+            err.print(f"no bundle written to {bundle_dir}: every variant must build", soft_wrap=True)
         sys.exit(1)
+    if bundle_dir is not None:
+        built = [(name, results[ref]) for (_, name, _), ref in zip(selected, refs)]
+        _write_bundle(bundle_dir, built, console)
+
+
+def _write_bundle(dest: Path, built: list[tuple[str, Any]], console: Console) -> None:
+    from kdagen.bundle import Shipped, write_bundle
+
+    manifest = write_bundle(dest, [Shipped((name,), result) for name, result in built])
+    data = json.loads(manifest.read_text())
+    size = sum(f["bytes"] for v in data["variants"] for f in v["files"].values())
+    console.print(
+        f"bundle: {manifest.parent} ({len(data['variants'])} variant(s), {size:,} bytes, "
+        f"for {', '.join(data['targets'])})",
+        soft_wrap=True,
+    )
 
 
 @cli.command()

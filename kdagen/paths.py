@@ -15,6 +15,9 @@ Environment variables (read on every call, so tests and long-lived processes see
 - ``KDAGEN_GENERATED_DIR``: where rendered sources are written; default ``<repo>/generated``.
 - ``KDAGEN_DISABLE_JIT``: ``1``/``true``/``yes``/``on`` turns a cache miss into `CacheMissError`
   (serving must not compile).
+- ``KDAGEN_BUNDLE``: bundles (`kdagen.bundle`) for `kdagen.get_kernel` to search before the cache, one
+  directory or several separated by ``os.pathsep``. Unlike the others it is read once, at the first
+  `kdagen.get_kernel` of a process: a bundle's manifest is checked when it is loaded, not per call.
 
 The scheduling variables (``KDAGEN_INTRACARD_CP``, ``KDAGEN_OVERLAP``, ``KDAGEN_FUSED``,
 ``KDAGEN_FUSED_PAIR``, ``KDAGEN_SEQ_ORDER``; `SCHEDULE_ENV`) are different: an override of the default
@@ -33,6 +36,7 @@ from types import ModuleType
 __all__ = [
     "ENV_CACHE_DIR",
     "ENV_DISABLE_JIT",
+    "ENV_BUNDLE",
     "ENV_INTRACARD_CP",
     "ENV_OVERLAP",
     "ENV_FUSED",
@@ -48,6 +52,7 @@ __all__ = [
     "generated_dir",
     "cache_dir",
     "jit_disabled",
+    "bundle_dirs",
     "find_spec_file",
     "load_module",
     "SCHEDULE_ENV",
@@ -57,6 +62,7 @@ __all__ = [
 ENV_CACHE_DIR = "KDAGEN_CACHE_DIR"
 ENV_DISABLE_JIT = "KDAGEN_DISABLE_JIT"
 ENV_GENERATED_DIR = "KDAGEN_GENERATED_DIR"
+ENV_BUNDLE = "KDAGEN_BUNDLE"
 ENV_INTRACARD_CP = "KDAGEN_INTRACARD_CP"
 ENV_OVERLAP = "KDAGEN_OVERLAP"
 ENV_FUSED = "KDAGEN_FUSED"
@@ -139,6 +145,12 @@ def generated_dir() -> Path:
 def jit_disabled() -> bool:
     """True when ``KDAGEN_DISABLE_JIT`` asks that a cache miss be an error instead of a compile."""
     return os.environ.get(ENV_DISABLE_JIT, "").strip().lower() in _TRUE
+
+
+def bundle_dirs() -> list[Path]:
+    """The bundle directories ``KDAGEN_BUNDLE`` names (``os.pathsep``-separated; empty items skipped)."""
+    value = os.environ.get(ENV_BUNDLE, "")
+    return [Path(item.strip()).expanduser() for item in value.split(os.pathsep) if item.strip()]
 
 
 def find_spec_file(path: str | os.PathLike[str]) -> Path:
