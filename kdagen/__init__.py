@@ -42,6 +42,18 @@ __all__ = [
     "LoadError",
 ]
 
+# Submodules that import torch, loaded on first attribute access so that `import kdagen` stays light:
+# `kdagen.ops` (the torch.library custom ops) and `kdagen.fla` (FLA drop-ins).
+_LAZY_SUBMODULES = ("ops", "fla")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"kdagen.{name}")
+    raise AttributeError(f"module 'kdagen' has no attribute {name!r}")
+
 
 def get_kernel(
     spec: KernelSpec | dict[str, Any] | str,

@@ -77,7 +77,8 @@ def _fields(spec_json_: str) -> dict[str, Any]:
         try:
             found = json.loads(spec_json_)
         except json.JSONDecodeError as e:
-            raise InputError(f"spec_json: expected a spec's canonical JSON, got {spec_json_[:80]!r}: {e}") from None
+            raise InputError(
+                f"spec_json: expected a spec's canonical JSON, got {spec_json_[:80]!r}: {e}") from None
         if not isinstance(found, dict):
             raise InputError(f"spec_json: expected a JSON object of spec fields, got {spec_json_[:80]!r}")
         _spec_fields[spec_json_] = found
