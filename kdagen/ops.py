@@ -46,16 +46,16 @@ _json_of: dict[Any, str] = {}
 
 @torch.compiler.assume_constant_result
 def spec_json(spec: KernelSpec | dict[str, Any] | str) -> str:
-    """The canonical JSON of `spec` (a `KernelSpec`, a dict of fields, ``"file.yaml:name"``, or canonical
-    JSON already), the form the op takes. Resolved once per argument; `SpecError` for a bad spec.
+    """The canonical JSON of `spec` (a `KernelSpec`, a dict of fields, ``"file.yaml:name"``, or the JSON of
+    its fields), the form the op takes. Resolved once per argument; `SpecError` for a bad spec.
 
     Under `torch.compile` the result is a constant of the graph (`assume_constant_result`): a traced call
     resolves its spec once, at trace time, and a later change of the object is not seen by that graph."""
-    if isinstance(spec, str) and spec.startswith("{"):
-        return spec
     key: Any = json.dumps(spec, sort_keys=True) if isinstance(spec, dict) else spec
     found = _json_of.get(key)
     if found is None:
+        if isinstance(spec, str) and spec.lstrip().startswith("{"):
+            spec = _fields(spec)  # JSON of fields: validated and made canonical (defaults filled in)
         found = _json_of[key] = resolve_spec(spec)[1].canonical_json()
     return found
 

@@ -146,6 +146,9 @@ def test_spec_forms_give_one_json() -> None:
     spec = KernelSpec(**PRE)
     sj = spec.canonical_json()
     assert ops.spec_json(spec) == ops.spec_json(PRE) == ops.spec_json(sj) == sj
+    assert ops.spec_json('{"arch": "sm_90a"}') == KernelSpec(arch="sm_90a").canonical_json()
+    with pytest.raises(kdagen.SpecError, match="head_dim_k"):
+        ops.spec_json('{"arch": "sm_90a", "head_dim_k": 96}')
 
 
 def test_policy_reaches_the_kernel(kernels: dict[str, FakeKernel]) -> None:
