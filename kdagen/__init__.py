@@ -45,6 +45,18 @@ __all__ = [
     "LoadError",
 ]
 
+# Submodules that import torch, loaded on first attribute access so that `import kdagen` stays light:
+# `kdagen.ops` (the torch.library custom ops) and `kdagen.fla` (FLA drop-ins).
+_LAZY_SUBMODULES = ("ops", "fla")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"kdagen.{name}")
+    raise AttributeError(f"module 'kdagen' has no attribute {name!r}")
+
 
 def load_bundle(directory: str | os.PathLike[str], verify: bool = False) -> Bundle:
     """Make `get_kernel` load the variants of the bundle in `directory` (written by ``kdagen build SPECFILE

@@ -1,0 +1,217 @@
+"""`torch.library` custom ops for kdagen kernels, so that `torch.compile` traces a KDA forward as one opaque
+node instead of breaking the graph.
+
+``torch.ops.kdagen.forward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
+output_final_state, cu_seqlens, policy_json) -> (o, final_state)``
+
+- ``spec_json`` is the spec's canonical JSON (`KernelSpec.canonical_json`, or `spec_json(spec)` here). The
+  op resolves it through `kdagen.get_kernel`, whose repeated lookup is an in-memory hit, so the string is
+  the whole identity of the kernel and the graph holds it as a constant.
+- ``policy_json`` is None (the kernel's own scheduling) or the JSON of `kdagen.policy.SchedulePolicy`'s
+  fields (`policy_json(policy)` here).
+- The op mutates nothing. ``final_state`` is an empty fp32 tensor when ``output_final_state`` is False
+  (a custom op returns tensors, not None); `kda_forward` turns it back into None.
+- The fake (meta) implementation gives ``o`` as ``[B, T, HV, V]`` in q's dtype and ``final_state`` as
+  ``[N, HV, K, V]`` (``state_layout: kv``) or ``[N, HV, V, K]`` (``vk``) in fp32, N = B or
+  ``len(cu_seqlens) - 1``; it reads no tensor values.
+- The kernels are forward-only: there is no autograd formula. `kda_forward` refuses inputs that require
+  grad with the runtime's `InputError` before the op is reached; the op itself, called directly, raises the
+  same error from its autograd registration.
+
+`kda_forward(spec, q, k, v, g, beta, ...)` is the Python entry point with the runtime's signature. Importing
+this module imports torch and registers the op; `import kdagen` does not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+import kdagen
+from kdagen.errors import InputError
+from kdagen.spec import KernelSpec, resolve_spec
+
+__all__ = ["kda_forward", "spec_json", "policy_json", "OP_NAME"]
+
+OP_NAME = "kdagen::forward"
+
+# Parsed JSON per string: the op sees the same few strings on every call.
+_spec_fields: dict[str, dict[str, Any]] = {}
+_policies: dict[str, Any] = {}
+_json_of: dict[Any, str] = {}
+
+
+@torch.compiler.assume_constant_result
+def spec_json(spec: KernelSpec | dict[str, Any] | str) -> str:
+    """The canonical JSON of `spec` (a `KernelSpec`, a dict of fields, ``"file.yaml:name"``, or the JSON of
+    its fields), the form the op takes. Resolved once per argument; `SpecError` for a bad spec.
+
+    Under `torch.compile` the result is a constant of the graph (`assume_constant_result`): a traced call
+    resolves its spec once, at trace time, and a later change of the object is not seen by that graph."""
+    key: Any = json.dumps(spec, sort_keys=True) if isinstance(spec, dict) else spec
+    found = _json_of.get(key)
+    if found is None:
+        if isinstance(spec, str) and spec.lstrip().startswith("{"):
+            spec = _fields(spec)  # JSON of fields: validated and made canonical (defaults filled in)
+        found = _json_of[key] = resolve_spec(spec)[1].canonical_json()
+    return found
+
+
+@torch.compiler.assume_constant_result
+def policy_json(policy: Any) -> str | None:
+    """`policy` (None, a `SchedulePolicy`, a dict of its fields, or its JSON) as the op's ``policy_json``."""
+    if policy is None or isinstance(policy, str):
+        return policy
+    from kdagen.policy import SchedulePolicy
+
+    fields = dataclasses.asdict(SchedulePolicy.coerce(policy))  # validates a dict
+    return json.dumps(fields, sort_keys=True)
+
+
+def _fields(spec_json_: str) -> dict[str, Any]:
+    found = _spec_fields.get(spec_json_)
+    if found is None:
+        try:
+            found = json.loads(spec_json_)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"spec_json: expected a spec's canonical JSON, got {spec_json_[:80]!r}: {e}") from None
+        if not isinstance(found, dict):
+            raise InputError(f"spec_json: expected a JSON object of spec fields, got {spec_json_[:80]!r}")
+        _spec_fields[spec_json_] = found
+    return found
+
+
+def _policy(policy_json_: str | None) -> Any:
+    if policy_json_ is None:
+        return None
+    found = _policies.get(policy_json_)
+    if found is None:
+        from kdagen.policy import SchedulePolicy
+
+        found = _policies[policy_json_] = SchedulePolicy(**json.loads(policy_json_))
+    return found
+
+
+def _no_state(like: torch.Tensor) -> torch.Tensor:
+    # The op's final state when none is asked for: a custom op cannot return None.
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _forward(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    policy_json: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Looked up on the package at call time: the kernel of `spec_json` is built or loaded once per process.
+    kernel = kdagen.get_kernel(_fields(spec_json))
+    o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens, policy=_policy(policy_json))
+    return o, (ht if ht is not None else _no_state(q))
+
+
+@_forward.register_fake
+def _forward_fake(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    policy_json: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fields = _fields(spec_json)
+    kdim, vdim = fields["head_dim_k"], fields["head_dim_v"]
+    bsz, seqlen, hv = v.shape[0], v.shape[1], v.shape[2]
+    o = q.new_empty((bsz, seqlen, hv, vdim))
+    if not output_final_state:
+        return o, _no_state(q)
+    nseq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = (nseq, hv, kdim, vdim) if fields["state_layout"] == "kv" else (nseq, hv, vdim, kdim)
+    return o, q.new_empty(shape, dtype=torch.float32)
+
+
+_GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def _check_no_grad(tensors: dict[str, Any]) -> None:
+    """The runtime's refusal of inputs that require grad (the kernels are forward-only)."""
+    if torch.is_grad_enabled():
+        _refuse_grad(tensors)
+
+
+def _refuse_grad(tensors: dict[str, Any]) -> None:
+    wanting = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if wanting:
+        raise InputError(
+            f"{', '.join(wanting)}: requires grad, but the kernel is forward-only (the backward is not "
+            "available); call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
+        )
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    # Reached only when an input requires grad (the op called directly, not through kda_forward): refuse it
+    # with the runtime's error. The forward has run by then; its outputs are dropped with the error.
+    # Grad mode is off inside setup_context; it is called only when grad mode was on at the call.
+    _refuse_grad(dict(zip(_GRAD_INPUTS, inputs[1:6] + inputs[7:10])))
+
+
+def _backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+    raise InputError("kdagen::forward: the kernel is forward-only (the backward is not available)")
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def kda_forward(
+    spec: KernelSpec | dict[str, Any] | str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    policy: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(o, final_state or None)`` of the KDA forward of `spec` through the ``kdagen::forward`` op.
+
+    The arguments are the runtime's (`kdagen.runtime.KDAKernel.__call__`); `spec` is a `KernelSpec`, a dict
+    of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
+    object whose `spec_json` was taken outside the compiled region) so that nothing is resolved while
+    tracing."""
+    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                    "initial_state": initial_state})
+    if scale is not None and not isinstance(scale, float):
+        # The schema takes a float; the runtime's check of other numbers (and of bad ones) applies.
+        from kdagen.runtime import check_scale
+
+        scale = check_scale(scale, q.shape[-1])
+    o, ht = torch.ops.kdagen.forward(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
+                                     output_final_state, cu_seqlens, policy_json(policy))
+    return o, (ht if output_final_state else None)
