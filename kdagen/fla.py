@@ -24,8 +24,8 @@ with the in-kernel gate or ``safe_gate``. Whatever kdagen does not build (anothe
 beta sigmoid in the kernel, a backward option, context parallelism, an unknown keyword) raises a
 `kdagen.InputError` that names the keyword and what is supported: never a silent fallback.
 
-`fused_recurrent_kda` and `fused_recurrent_kda_fwd` (decode) keep FLA's signatures and raise `NotBuiltError`
-until kdagen builds a decode kernel.
+`fused_recurrent_kda` (the token recurrence over any length: the forward) and `fused_recurrent_kda_fwd`
+(the serving step on a state pool: `KDAKernel.decode`) keep FLA's signatures.
 """
 
 from __future__ import annotations
@@ -37,15 +37,10 @@ from typing import Any
 import torch
 
 import kdagen
-from kdagen.errors import InputError, KdagenError
+from kdagen.errors import InputError
 from kdagen.spec import SAFE_LOWER_BOUND_MIN, KernelSpec
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "choose_spec", "device_arch",
-           "NotBuiltError"]
-
-
-class NotBuiltError(KdagenError, NotImplementedError):
-    """An FLA entry point that kdagen does not build yet; the message names what to use instead."""
+__all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "choose_spec", "device_arch"]
 
 
 # The exact target of each compute capability kdagen builds for.
@@ -270,8 +265,17 @@ def chunk_kda(
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-_DECODE = ("decode is not built yet: kernel.decode (KDAKernel.decode) will serve {name}; until then use "
-           "FLA's {name}, or kdagen.fla.chunk_kda for prefill")
+def _common_refusals(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, kwargs: dict[str, Any],
+                     name: str) -> tuple[Any, Any]:
+    A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
+    if kwargs:
+        raise _refuse(", ".join(sorted(kwargs)), f"unknown keyword (kdagen.fla.{name} takes FLA 0.6.0's "
+                      "keywords)")
+    _refuse_set("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, False,
+                "beta must already be sigmoid(logits); apply it before the call")
+    _refuse_set("allow_neg_eigval", allow_neg_eigval, False,
+                "beta in [0, 2) needs the in-kernel beta sigmoid")
+    return A_log, dt_bias
 
 
 def fused_recurrent_kda_fwd(
@@ -298,15 +302,65 @@ def fused_recurrent_kda_fwd(
     out: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLA's decode step over a state pool (fla-core 0.6.0 signature); raises `NotBuiltError` for now.
+    """FLA's decode step (fla-core 0.6.0 signature) on a kdagen kernel: ``(o, final_state)``.
 
-    Intended mapping onto ``KDAKernel.decode``: the spec from `choose_spec` as for `chunk_kda`
-    (``state_v_first`` -> ``state_layout: vk``); ``initial_state`` is the pool; ``ssm_state_indices``
-    ([N] or [N, 1+S]) -> ``state_indices``; ``num_accepted_tokens`` -> ``num_accepted_tokens`` (the state is
-    read from ``idx[n, num_accepted_tokens[n] - 1]`` and written to ``idx[n, t]`` after token t);
-    ``inplace_final_state`` -> ``update_state`` (write back into the pool; the returned final state is the
-    pool itself); ``out`` -> the caller-allocated output."""
-    raise NotBuiltError(_DECODE.format(name="fused_recurrent_kda_fwd"))
+    With ``ssm_state_indices`` (continuous batching) ``initial_state`` is the state pool and the call is
+    `KDAKernel.decode`: ``ssm_state_indices`` [N] or [N, 1+S] -> ``state_indices``, ``num_accepted_tokens``
+    as FLA (the state is read from ``idx[n, num_accepted_tokens[n] - 1]`` and, with [N, 1+S], written to
+    ``idx[n, t]`` after token t), ``out`` the caller's output; the pool is updated in place and returned
+    (``inplace_final_state=True``, the only form built with indices). Without indices ``initial_state`` is
+    [N, HV, K, V] (V-first with ``state_v_first``): ``inplace_final_state`` writes the final states back into
+    it (the decode kernel for up to `kdagen.decode.MAX_TOKENS` tokens a sequence, the forward otherwise),
+    else they come back as a new tensor when ``output_final_state``. Refused with an `InputError` naming the
+    keyword: ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, indices without
+    ``inplace_final_state``, unknown keywords.
+    """
+    from kdagen.decode import MAX_TOKENS
+
+    kwargs = {**kwargs, "A_log": A_log, "dt_bias": dt_bias}
+    v_first = _state_v_first(state_v_first, kwargs)
+    A_log, dt_bias = _common_refusals(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs,
+                                      "fused_recurrent_kda_fwd")
+    spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
+                       state_v_first=v_first, A_log=A_log)
+    if not use_gate_in_kernel:
+        A_log, dt_bias = None, None
+    kernel = kdagen.get_kernel(spec)
+    if ssm_state_indices is not None:
+        if not inplace_final_state:
+            raise _refuse("inplace_final_state", "False with ssm_state_indices (per-token states in a new "
+                          "tensor) is not built; the pool is updated in place")
+        if initial_state is None:
+            raise _refuse("initial_state", "required with ssm_state_indices: it is the state pool")
+        o = kernel.decode(q, k, v, g, beta, state_pool=initial_state, state_indices=ssm_state_indices,
+                          scale=scale, A_log=A_log, dt_bias=dt_bias, num_accepted_tokens=num_accepted_tokens,
+                          cu_seqlens=cu_seqlens, out=out)
+        return o, initial_state
+    if num_accepted_tokens is not None:
+        raise _refuse("num_accepted_tokens", "given without ssm_state_indices")
+    if inplace_final_state:
+        if initial_state is None:
+            raise _refuse("initial_state", "required with inplace_final_state=True (FLA's default)")
+        if cu_seqlens is None and q.shape[1] <= MAX_TOKENS:
+            n = initial_state.shape[0]
+            idx = torch.arange(n, dtype=torch.int32, device=q.device)
+            o = kernel.decode(q, k, v, g, beta, state_pool=initial_state, state_indices=idx, scale=scale,
+                              A_log=A_log, dt_bias=dt_bias, out=out)
+            return o, initial_state
+        o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                       initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens)
+        initial_state.copy_(ht)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return o, initial_state
+    o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return o, ht
 
 
 def fused_recurrent_kda(
@@ -329,10 +383,18 @@ def fused_recurrent_kda(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLA's token-recurrent KDA (fla-core 0.6.0 signature); raises `NotBuiltError` for now.
-
-    Intended mapping onto ``KDAKernel.decode``: as `fused_recurrent_kda_fwd` with no state pool
-    (``initial_state`` [N, HV, K, V] or V-first with ``state_v_first`` -> ``state_layout: vk``; kwargs
-    ``ssm_state_indices`` -> ``state_indices``, ``num_accepted_tokens``, ``inplace_final_state`` ->
-    ``update_state``), returning ``(o, final_state or None)``."""
-    raise NotBuiltError(_DECODE.format(name="fused_recurrent_kda"))
+    """FLA's token-recurrent KDA (fla-core 0.6.0 signature) on a kdagen kernel: ``(o, final_state or
+    None)``, the forward's result (the same recurrence; `chunk_kda`'s spec rules, without the safe gate).
+    ``initial_state`` and the final state are [N, HV, K, V], V-first with ``state_v_first``."""
+    kwargs = {**kwargs, "A_log": A_log, "dt_bias": dt_bias}
+    v_first = _state_v_first(state_v_first, kwargs)
+    A_log, dt_bias = _common_refusals(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs,
+                                      "fused_recurrent_kda")
+    spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
+                       state_v_first=v_first, A_log=A_log)
+    if not use_gate_in_kernel:
+        A_log, dt_bias = None, None
+    kernel = kdagen.get_kernel(spec)
+    return kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)

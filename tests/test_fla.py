@@ -41,6 +41,10 @@ class FakeKernel:
             dt_bias=dt_bias, lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout)
         return o.to(q.dtype), (None if ht is None else ht.float())
 
+    def decode(self, q, k, v, g, beta, **kw):
+        self.decoded = kw  # what kdagen.fla passed
+        return torch.zeros_like(v) if kw.get("out") is None else kw["out"]
+
 
 @pytest.fixture
 def on_h100(monkeypatch: pytest.MonkeyPatch) -> list[kdagen.KernelSpec]:
@@ -245,12 +249,63 @@ def test_signatures_are_flas(name: str) -> None:
     assert list(inspect.signature(fn).parameters) == FLA_SIGNATURES[name].split()
 
 
-@pytest.mark.parametrize("name", ["fused_recurrent_kda", "fused_recurrent_kda_fwd"])
-def test_decode_is_not_built_yet(name: str) -> None:
+def test_fused_recurrent_kda_is_the_forward(on_h100: list[kdagen.KernelSpec]) -> None:
+    t = _tensors(T=5)
+    h0 = torch.randn(1, 2, 64, 64)
+    o, ht = fla.fused_recurrent_kda(**t, initial_state=h0, output_final_state=True)
+    ref_o, ref_ht = FakeKernel(on_h100[-1])(**t, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
+
+
+def _pool_call(t: dict[str, Any], pool: torch.Tensor, **kw: Any) -> tuple[Any, Any, FakeKernel]:
+    kernels: list[FakeKernel] = []
+    original = kdagen.get_kernel
+
+    def remember(spec: Any, **k: Any) -> FakeKernel:
+        kernel = original(spec, **k)
+        kernels.append(kernel)
+        return kernel
+
+    kdagen.get_kernel = remember
+    try:
+        o, state = fla.fused_recurrent_kda_fwd(**t, initial_state=pool, **kw)
+    finally:
+        kdagen.get_kernel = original
+    return o, state, kernels[-1]
+
+
+def test_fused_recurrent_kda_fwd_with_indices_is_decode(on_h100: list[kdagen.KernelSpec]) -> None:
+    t = {name: x.view(3, 2, *x.shape[2:]) for name, x in _tensors(T=6).items()}  # 3 requests, 2 tokens each
+    pool = torch.zeros(8, 2, 64, 64)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    accepted = torch.tensor([1, 2, 1])
+    o, state, kernel = _pool_call(t, pool, ssm_state_indices=idx, num_accepted_tokens=accepted)
+    assert state is pool and o.shape == t["v"].shape
+    assert kernel.decoded["state_pool"] is pool and kernel.decoded["state_indices"] is idx
+    assert kernel.decoded["num_accepted_tokens"] is accepted
+
+
+def test_fused_recurrent_kda_fwd_without_indices_decodes_each_sequence_in_place(
+    on_h100: list[kdagen.KernelSpec],
+) -> None:
+    t = {name: x.view(3, 2, *x.shape[2:]) for name, x in _tensors(T=6).items()}
+    pool = torch.zeros(3, 2, 64, 64)
+    _, state, kernel = _pool_call(t, pool)
+    assert state is pool and torch.equal(kernel.decoded["state_indices"], torch.arange(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"ssm_state_indices": torch.zeros(1, dtype=torch.int64), "inplace_final_state": False},
+     "kdagen.fla: inplace_final_state: False with ssm_state_indices"),
+    ({"use_beta_sigmoid_in_kernel": True}, "kdagen.fla: use_beta_sigmoid_in_kernel"),
+    ({"num_accepted_tokens": torch.ones(1, dtype=torch.int64)}, "num_accepted_tokens: given without"),
+    ({"bogus": 1}, "kdagen.fla: bogus: unknown keyword"),
+])
+def test_fused_recurrent_kda_fwd_refusals(on_h100: list[kdagen.KernelSpec], kw: dict[str, Any],
+                                          message: str) -> None:
     t = _tensors(T=1)
-    with pytest.raises(fla.NotBuiltError, match="decode is not built yet: kernel.decode") as err:
-        getattr(fla, name)(**t, ssm_state_indices=torch.zeros(1, dtype=torch.int32))
-    assert isinstance(err.value, NotImplementedError) and isinstance(err.value, kdagen.KdagenError)
+    with pytest.raises(kdagen.InputError, match=message):
+        fla.fused_recurrent_kda_fwd(**t, initial_state=torch.zeros(1, 2, 64, 64), **kw)
 
 
 def test_lazy_attribute_from_a_light_import() -> None:

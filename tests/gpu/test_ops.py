@@ -118,3 +118,28 @@ def test_custom_op_under_torch_compile_matches_eager() -> None:
     for name, w, g in zip(("o", "o_sq", "ht"), want, got):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not HAS_FLA, reason="compares with FLA's fused_recurrent_kda_fwd (fla-core not installed)")
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_fused_recurrent_kda_fwd_matches_fla_on_a_pool(state_v_first: bool) -> None:
+    """The serving step on a pool with FLA's verify semantics (2 tokens a request, one slot a token)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fwd
+
+    n, s, h, K = 3, 2, 2, 128
+    inp = {name: x.view(n, s, *x.shape[2:]) for name, x in _inputs(T=n * s, H=h, HV=h, K=K, V=K,
+                                                                     raw_gate=True).items()}
+    gate = {"A_log": torch.randn(h, device="cuda") * 0.1, "dt_bias": torch.randn(h * K, device="cuda") * 0.1}
+    pool = torch.randn(8, h, K, K, device="cuda") * 0.1
+    idx = torch.tensor([[0, 1], [2, 3], [5, 6]], device="cuda")
+    accepted = torch.tensor([1, 2, 1], device="cuda")
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                 state_v_first=state_v_first, ssm_state_indices=idx, num_accepted_tokens=accepted, **gate)
+    ours_pool, theirs_pool = pool.clone(), pool.clone()
+    with torch.inference_mode():
+        o, _ = fla.fused_recurrent_kda_fwd(**inp, initial_state=ours_pool, **flags)
+        want_o, _ = fla_fwd(**inp, initial_state=theirs_pool, **flags)
+    torch.cuda.synchronize()
+    assert_close("o", want_o.double(), o, TOL_FLA)
+    written = idx.flatten()
+    assert_close("pool", theirs_pool[written].double(), ours_pool[written], TOL_FLA)
