@@ -120,7 +120,7 @@ def test_custom_op_under_torch_compile_matches_eager() -> None:
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.skipif(not HAS_FLA, reason="compares with FLA's fused_recurrent_kda_fwd (fla-core not installed)")
+@pytest.mark.skipif(not HAS_FLA, reason="compares with FLA's fused_recurrent_kda_fwd (no fla-core)")
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 def test_fused_recurrent_kda_fwd_matches_fla_on_a_pool(state_v_first: bool) -> None:
     """The serving step on a pool with FLA's verify semantics (2 tokens a request, one slot a token)."""
