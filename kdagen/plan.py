@@ -20,9 +20,9 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
-# Key slices of a decode warp: each lane holds K / 8 keys of 4 value columns of the state (64 fp32
-# registers at K=128), so that enough warps fit an SM to keep the state's bytes in flight.
-DECODE_KEY_SLICES = 8
+# Value columns per decode CTA, one thread each holding its column of the state: two CTAs a head at
+# V=128, the fastest of the shapes measured (docs/experiments.md, "Decode").
+DECODE_BLOCK_V = 64
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -407,7 +407,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "state_layout": spec.state_layout,
-            "key_slices": DECODE_KEY_SLICES,
+            "block_v": min(DECODE_BLOCK_V, spec.head_dim_v),
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
