@@ -7,6 +7,9 @@ templates. Two formulations are provided so that they can check each other:
   heads, looping over time only. This is the oracle the GPU tests compare against (fp64 by default).
 - :func:`kda_chunked_reference`: the chunked form of kda-math §2.3-§2.5 (L, Aqk, triangular inverse, W/U,
   inter-chunk state recurrence, output), per sequence, with explicit partial last chunks.
+- :func:`kda_reference_autograd`: the token recurrence again, built step by step without in-place updates so
+  that autograd differentiates it; the oracle of the backward kernels (gradients of q, k, v, g, beta, A_log,
+  dt_bias and the initial state, with the final state's gradient taken into account).
 
 Shapes follow FLA ``chunk_kda``: q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]``; beta ``[B,T,HV]``;
 value head ``hv`` reads q/k head ``hv // (HV // H)``; with ``cu_seqlens`` the batch is packed (B == 1) and
@@ -35,6 +38,7 @@ __all__ = [
     "kda_chunked_reference",
     "kda_gate",
     "kda_recurrent_reference",
+    "kda_reference_autograd",
     "l2norm",
     "make_inputs",
     "rel_rmse",
@@ -313,6 +317,117 @@ def kda_recurrent_reference(
     for i, (b, bos, eos) in enumerate(p.seqs):
         o[b, bos:eos] = o_seq[i, : eos - bos]
     final = _final_layout(S.reshape(N, HV, K, V), state_layout) if output_final_state else None
+    return o, final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Differentiable token recurrence: the oracle of the backward kernels (kda-math §8)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _autograd_dtype(*xs: Tensor) -> torch.dtype:
+    """The dtype the differentiable recurrence computes in: the promoted dtype of the inputs, at least fp32.
+
+    fp64 inputs (the gradcheck and the GPU backward tests) stay fp64; 16-bit inputs are lifted to fp32,
+    the dtype of the state in every kernel, since a 16-bit recurrence would measure nothing useful.
+    """
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return torch.promote_types(dt, torch.float32)
+
+
+def _pad_sequences_functional(x: Tensor, seqs: tuple[tuple[int, int, int], ...], t_max: int) -> Tensor:
+    """[B,T,...] -> [N,t_max,...], zero-padded at the end of each sequence, built without in-place writes."""
+    rows = []
+    for b, bos, eos in seqs:
+        piece = x[b, bos:eos]
+        pad = t_max - (eos - bos)
+        if pad:
+            piece = torch.cat([piece, piece.new_zeros((pad, *piece.shape[1:]))], dim=0)
+        rows.append(piece)
+    return torch.stack(rows) if rows else x.new_zeros((0, t_max, *x.shape[2:]))
+
+
+def kda_reference_autograd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+) -> tuple[Tensor, Tensor | None]:
+    """Differentiable token-by-token KDA forward: the oracle of the backward kernels' GPU tests.
+
+    Same arguments and forward semantics as :func:`kda_recurrent_reference` (gate modes, l2norm, scale, GVA,
+    varlen, both state layouts), but every step builds a new state tensor instead of updating one in place,
+    so ``torch.autograd`` differentiates through it. Gradients reach q, k, v, g (the raw gate for the
+    in-kernel gates), beta, A_log, dt_bias and initial_state; a loss that uses the returned final state
+    backpropagates through it too (the ``dht`` term of kda-math §8).
+
+    Computed in the promoted dtype of q, k, v, g, beta (at least fp32; fp64 for the gradcheck and the GPU
+    tests' oracle). Returns ``(o [B,T,HV,V], final_state in state_layout | None)``, both in that dtype.
+    """
+    dtype = _autograd_dtype(q, k, v, g, beta)
+    # _prepare is differentiable: dtype casts, kda_gate, l2norm, scale and the GVA repeat_interleave (whose
+    # backward sums dq/dk over each group of value heads, kda-math §8 step 7) are all autograd ops.
+    p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
+                 state_layout=state_layout, dtype=dtype)
+    B, T, HV, V = p.out_shape
+    K = p.k.shape[-1]
+    N = len(p.seqs)
+    t_max = max((eos - bos for _, bos, eos in p.seqs), default=0)
+
+    # Zero padding (q = k = v = g = beta = 0) is an exact identity step, as in kda_recurrent_reference, and
+    # it contributes exactly zero to every gradient.
+    qs, ks, vs, gs, bs = (_pad_sequences_functional(x, p.seqs, t_max) for x in (p.q, p.k, p.v, p.g, p.beta))
+    NH = N * HV
+    decay = gs.exp().transpose(0, 1).reshape(t_max, NH, K, 1)
+    qs = qs.transpose(0, 1).reshape(t_max, NH, 1, K)
+    ks = ks.transpose(0, 1).reshape(t_max, NH, K)
+    vs = vs.transpose(0, 1).reshape(t_max, NH, 1, V)
+    bs = bs.transpose(0, 1).reshape(t_max, NH, 1, 1)
+
+    if p.h0 is None:
+        S = torch.zeros(NH, K, V, dtype=dtype, device=p.v.device)
+    else:
+        S = p.h0.reshape(NH, K, V)
+    outs: list[Tensor] = []
+    for t in range(t_max):
+        S = S * decay[t]
+        kt = ks[t]
+        delta = bs[t] * (vs[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
+        S = S + torch.bmm(kt.unsqueeze(2), delta)  # S + k delta^T
+        outs.append(torch.bmm(qs[t], S))  # [NH,1,V]
+
+    if outs:
+        o_seq = torch.cat(outs, dim=1).reshape(NH, t_max, V)
+    else:
+        o_seq = S.new_zeros((NH, 0, V))
+    o_seq = o_seq.reshape(N, HV, t_max, V).transpose(1, 2)  # [N,t_max,HV,V]
+    # Unpad: each batch row is the concatenation, in order, of the sequences it holds (one per row for fixed
+    # length, all of them in row 0 for varlen).
+    per_row: list[list[Tensor]] = [[] for _ in range(B)]
+    for i, (b, bos, eos) in enumerate(p.seqs):
+        per_row[b].append(o_seq[i, : eos - bos])
+    o = torch.stack([torch.cat(pc, dim=0) if pc else o_seq.new_zeros((T, HV, V)) for pc in per_row])
+    final = None
+    if output_final_state:
+        final = S.reshape(N, HV, K, V)
+        if state_layout == "vk":
+            final = final.transpose(-1, -2)
+        final = final.contiguous()
     return o, final
 
 
