@@ -82,7 +82,7 @@ def describe(spec: KernelSpec) -> tuple[Plan, dict[str, str], str, dict[str, Any
     return plan, rendered, key, parts
 
 
-def _remembered_key(spec: KernelSpec, plan: Plan, generator: str, target: str) -> str | None:
+def _remembered_key(spec: KernelSpec, plan: Plan, generator: str, target: str | None = None) -> str | None:
     """The key from the source digests remembered for `generator` (`kdagen.source_memo`), or None."""
     digests = source_memo.load_digests(spec.canonical_json(), generator)
     if digests is None or set(digests) != {f"{s.name}.py" for s in plan.stages}:

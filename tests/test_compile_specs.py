@@ -187,10 +187,19 @@ def _first_variant(file_name: str, arch: str) -> tuple[str, KernelSpec]:
 _SIBLING_RE = re.compile(r'^\w+ = _sibling\("(\w+)"\)$', flags=re.M)
 
 
+_PREPARE_MMAS_RE = re.compile(r"\bprepare_mmas\(\s*([\w.]+)\s*\)")
+
+
 def _expected_mmas(source: str) -> set[str]:
-    """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms."""
+    """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms: its own, and
+    those of `kdagen.kernels.prepare.prepare_mmas(dtype)` where it calls it (tf32 for L and Mqk, fp16 for
+    the fold, and the inputs' dtype for the Gram matrix)."""
     out = set()
-    for ab in _F16_ATOM_RE.findall(source):
+    atoms = _F16_ATOM_RE.findall(source)
+    for dtype in _PREPARE_MMAS_RE.findall(source):
+        atoms += ["cutlass.Float16", dtype]
+        out.add("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
+    for ab in atoms:
         if not ab.startswith("cutlass."):  # an alias such as DT = cutlass.BFloat16
             m = re.search(rf"^{re.escape(ab)}\s*=\s*(cutlass\.\w+)\s*$", source, flags=re.M)
             assert m, f"cannot resolve MMA operand type {ab!r} in the rendered source"
