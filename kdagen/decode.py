@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdagen.errors import InputError
+from kdagen.runtime import _check_no_grad, _need, _prepared, _props, check_scale, validate_inputs
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_TOKENS", "validate_decode_inputs", "run_decode"]
 
 MAX_TOKENS = 8  # tokens a request: one, or a verify step's draft tokens plus one
-
-
-def _need(cond: bool, msg: Any) -> None:
-    if not cond:
-        raise InputError(msg() if callable(msg) else msg)
 
 
 def _pool_shape(layout: str, hv: int, k: int, v: int) -> tuple[int, int, int]:
@@ -64,8 +59,6 @@ def validate_decode_inputs(
 ) -> tuple[int, int, int, int, int]:
     """Every check of a decode call's arguments (InputError naming the argument and what was expected);
     returns (B, T, H, HV, N) of q's [B, T, H, K] and the requests. Nothing here needs a GPU."""
-    from kdagen.runtime import validate_inputs
-
     bsz, seqlen, nh, hv, nreq = validate_inputs(
         spec, q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens, require_cuda=require_cuda
     )
@@ -139,9 +132,7 @@ def validate_decode_inputs(
               "tensor")
         _need(not any(out.data_ptr() == x.data_ptr() for x in (q, k, v, g, beta)),
               "out: must not alias an input")
-    _need(not (torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, state_pool))),
-        "q/k/v/g/beta/state_pool: requires grad, but decode is forward-only; call it under torch.no_grad()")
+    _check_no_grad({"state_pool": state_pool})  # (validate_inputs checked q, k, v, g, beta, A_log, dt_bias)
     return bsz, seqlen, nh, hv, nreq
 
 
@@ -165,8 +156,6 @@ def run_decode(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Validate (once per call signature), convert the index tensors, and launch the decode stage."""
-    from kdagen.runtime import _prepared, _props, check_scale
-
     spec = kernel.spec
     # The checks read only what `sig` records (and the pool's and out's addresses), so a repeated call
     # skips them; offsets on the CPU are checked every call.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import kdagen
+from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
 from kdagen.spec import SAFE_LOWER_BOUND_MIN, KernelSpec
 
@@ -46,7 +47,7 @@ __all__ = ["chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "choos
 # The exact target of each compute capability kdagen builds for.
 _ARCH_OF_CAPABILITY: dict[tuple[int, int], str] = {(8, 0): "sm_80", (8, 9): "sm_89", (9, 0): "sm_90a",
                                                    (10, 0): "sm_100a"}
-_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAME = {getattr(torch, d.torch): name for name, d in DTYPES.items()}
 _HEAD_DIMS = (64, 128)
 _GVA_RATIOS = (1, 2, 4, 8)
 _FLA_CHUNK_SIZES = (32, 64)  # what FLA accepts; kdagen's kernels step 16 tokens, with the same results
@@ -171,6 +172,13 @@ def _refuse_set(keyword: str, value: Any, default: Any, why: str) -> None:
         raise _refuse(keyword, f"{value!r} is not supported by kdagen ({why}); pass {default!r}")
 
 
+def _refuse_beta_modes(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> None:
+    _refuse_set("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, False,
+                "beta must already be sigmoid(logits); apply it before the call")
+    _refuse_set("allow_neg_eigval", allow_neg_eigval, False,
+                "beta in [0, 2) needs the in-kernel beta sigmoid")
+
+
 def _state_v_first(state_v_first: bool, kwargs: dict[str, Any]) -> bool:
     # FLA's deprecated name for state_v_first, with FLA's rule and warning.
     if "transpose_state_layout" not in kwargs:
@@ -239,10 +247,7 @@ def chunk_kda(
                       "keywords plus A_log, dt_bias, chunk_size, transpose_state_layout)")
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise _refuse("chunk_size", f"expected 32 or 64 (as FLA), got {chunk_size!r}")
-    _refuse_set("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, False,
-                "beta must already be sigmoid(logits); apply it before the call")
-    _refuse_set("allow_neg_eigval", allow_neg_eigval, False,
-                "beta in [0, 2) needs the in-kernel beta sigmoid")
+    _refuse_beta_modes(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     _refuse_set("disable_recompute", disable_recompute, False,
                 "a backward option; the kernels are forward-only")
     _refuse_set("return_intermediate_states", return_intermediate_states, False,
@@ -265,17 +270,25 @@ def chunk_kda(
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def _common_refusals(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, kwargs: dict[str, Any],
-                     name: str) -> tuple[Any, Any]:
+def _recurrent_kernel(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      kwargs: dict[str, Any], *, state_v_first: bool, use_qk_l2norm_in_kernel: bool,
+                      use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+                      lower_bound: float | None) -> tuple[Any, Any, Any]:
+    """(kernel, A_log, dt_bias) of FLA's recurrent entry point `name`: its refusals, `choose_spec` (no safe
+    gate: FLA's recurrent kernels take no such promise), and the gate parameters FLA reads (only with the
+    in-kernel gate). `kwargs` holds A_log, dt_bias and what else the caller passed."""
+    v_first = _state_v_first(state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     if kwargs:
         raise _refuse(", ".join(sorted(kwargs)), f"unknown keyword (kdagen.fla.{name} takes FLA 0.6.0's "
                       "keywords)")
-    _refuse_set("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, False,
-                "beta must already be sigmoid(logits); apply it before the call")
-    _refuse_set("allow_neg_eigval", allow_neg_eigval, False,
-                "beta in [0, 2) needs the in-kernel beta sigmoid")
-    return A_log, dt_bias
+    _refuse_beta_modes(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
+                       state_v_first=v_first, A_log=A_log)
+    if not use_gate_in_kernel:
+        A_log, dt_bias = None, None
+    return kdagen.get_kernel(spec), A_log, dt_bias
 
 
 def fused_recurrent_kda_fwd(
@@ -317,16 +330,11 @@ def fused_recurrent_kda_fwd(
     """
     from kdagen.decode import MAX_TOKENS
 
-    kwargs = {**kwargs, "A_log": A_log, "dt_bias": dt_bias}
-    v_first = _state_v_first(state_v_first, kwargs)
-    A_log, dt_bias = _common_refusals(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs,
-                                      "fused_recurrent_kda_fwd")
-    spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
-                       state_v_first=v_first, A_log=A_log)
-    if not use_gate_in_kernel:
-        A_log, dt_bias = None, None
-    kernel = kdagen.get_kernel(spec)
+    kernel, A_log, dt_bias = _recurrent_kernel(
+        "fused_recurrent_kda_fwd", q, v, g, beta, {**kwargs, "A_log": A_log, "dt_bias": dt_bias},
+        state_v_first=state_v_first, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound)
     if ssm_state_indices is not None:
         if not inplace_final_state:
             raise _refuse("inplace_final_state", "False with ssm_state_indices (per-token states in a new "
@@ -386,15 +394,10 @@ def fused_recurrent_kda(
     """FLA's token-recurrent KDA (fla-core 0.6.0 signature) on a kdagen kernel: ``(o, final_state or
     None)``, the forward's result (the same recurrence; `chunk_kda`'s spec rules, without the safe gate).
     ``initial_state`` and the final state are [N, HV, K, V], V-first with ``state_v_first``."""
-    kwargs = {**kwargs, "A_log": A_log, "dt_bias": dt_bias}
-    v_first = _state_v_first(state_v_first, kwargs)
-    A_log, dt_bias = _common_refusals(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs,
-                                      "fused_recurrent_kda")
-    spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
-                       state_v_first=v_first, A_log=A_log)
-    if not use_gate_in_kernel:
-        A_log, dt_bias = None, None
-    kernel = kdagen.get_kernel(spec)
+    kernel, A_log, dt_bias = _recurrent_kernel(
+        "fused_recurrent_kda", q, v, g, beta, {**kwargs, "A_log": A_log, "dt_bias": dt_bias},
+        state_v_first=state_v_first, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound)
     return kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -32,6 +32,7 @@ import torch
 
 import kdagen
 from kdagen.errors import InputError
+from kdagen.runtime import refuse_grad
 from kdagen.spec import KernelSpec, resolve_spec
 
 __all__ = ["kda_forward", "spec_json", "policy_json", "OP_NAME"]
@@ -154,26 +155,11 @@ def _forward_fake(
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
-def _check_no_grad(tensors: dict[str, Any]) -> None:
-    """The runtime's refusal of inputs that require grad (the kernels are forward-only)."""
-    if torch.is_grad_enabled():
-        _refuse_grad(tensors)
-
-
-def _refuse_grad(tensors: dict[str, Any]) -> None:
-    wanting = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-    if wanting:
-        raise InputError(
-            f"{', '.join(wanting)}: requires grad, but the kernel is forward-only (the backward is not "
-            "available); call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
-        )
-
-
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     # Reached only when an input requires grad (the op called directly, not through kda_forward): refuse it
     # with the runtime's error. The forward has run by then; its outputs are dropped with the error.
     # Grad mode is off inside setup_context; it is called only when grad mode was on at the call.
-    _refuse_grad(dict(zip(_GRAD_INPUTS, inputs[1:6] + inputs[7:10])))
+    refuse_grad(dict(zip(_GRAD_INPUTS, inputs[1:6] + inputs[7:10])))
 
 
 def _backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
@@ -205,8 +191,9 @@ def kda_forward(
     of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
     object whose `spec_json` was taken outside the compiled region) so that nothing is resolved while
     tracing."""
-    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                    "initial_state": initial_state})
+    if torch.is_grad_enabled():
+        refuse_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                     "initial_state": initial_state})
     if scale is not None and not isinstance(scale, float):
         # The schema takes a float; the runtime's check of other numbers (and of bad ones) applies.
         from kdagen.runtime import check_scale

@@ -148,14 +148,18 @@ def _check_fits_int32(name: str, dims: dict[str, int]) -> None:
     ))
 
 
-def _check_no_grad(tensors: dict[str, Any]) -> None:
-    if not torch.is_grad_enabled():
-        return
+def refuse_grad(tensors: dict[str, Any]) -> None:
+    """InputError naming the tensors of `tensors` that require grad: the kernels are forward-only."""
     wanting = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
     _need(not wanting, lambda: (
         f"{', '.join(wanting)}: requires grad, but the kernel is forward-only (the backward is not "
         "available); call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
     ))
+
+
+def _check_no_grad(tensors: dict[str, Any]) -> None:
+    if torch.is_grad_enabled():
+        refuse_grad(tensors)
 
 
 def validate_inputs(
