@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdagen.errors import InputError
-from kdagen.reference import assert_close, kda_recurrent_reference, make_inputs
+from kdagen.reference import assert_close
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
     from . import _cases as cases  # type: ignore[no-redef]
@@ -39,39 +39,13 @@ DECODE_SPECS = [
 
 
 def _inputs(spec: dict[str, Any], n: int, s: int, h: int, seed: int, init: bool = True) -> dict[str, Any]:
-    return make_inputs(
-        n,
-        s,
-        h,
-        h * spec["gva_ratio"],
-        spec["head_dim_k"],
-        spec["head_dim_v"],
-        dtype=spec["dtype"],
-        beta_dtype=spec["beta_dtype"],
-        g_dtype=spec["g_dtype"],
-        gate=spec["gate"],
-        safe_gate=spec["safe_gate"],
-        lower_bound=spec["lower_bound"],
-        seed=seed,
-        device="cuda",
-        l2norm_qk=spec["l2norm_qk"],
-        with_initial_state=init,
-        state_layout=spec["state_layout"],
-    )
+    # n requests of s tokens each: the matrix's inputs for a fixed-length case
+    return cases.build_inputs(spec, cases.F(n, s, h, init=init, seed=seed))
 
 
-def _reference(
-    spec: dict[str, Any], inp: dict[str, Any], h0: torch.Tensor | None
-) -> tuple[torch.Tensor, Any]:
-    args = {**inp, "initial_state": h0}
-    return kda_recurrent_reference(
-        **args,
-        output_final_state=True,
-        gate=spec["gate"],
-        lower_bound=spec["lower_bound"],
-        l2norm_qk=spec["l2norm_qk"],
-        state_layout=spec["state_layout"],
-    )
+def _reference(spec: dict[str, Any], inp: dict[str, Any], h0: Any) -> tuple[torch.Tensor, Any]:
+    # the fp64 recurrence from the state h0 (the slots the kernel reads), final state included
+    return cases.run_reference(spec, {**inp, "initial_state": h0})
 
 
 def _call(kernel: Any, inp: dict[str, Any], **kw: Any) -> torch.Tensor:
