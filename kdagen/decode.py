@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdagen.runtime import _check_no_grad, _need, _prepared, _props, check_scale, validate_inputs
+from kdagen.runtime import _check_no_grad, _need, _prepared, _props, check_scale, remember, validate_inputs
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel
@@ -176,7 +176,7 @@ def run_decode(
         sizes = validate_decode_inputs(spec, q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices,
                                        num_accepted_tokens, has_initial_state, cu_seqlens, out)
         if sig is not None:
-            kernel._validated[sig] = sizes
+            remember(kernel._validated, sig, sizes)
     bsz, seqlen, nh, hv, nreq = sizes
     device = q.device
     scale = check_scale(scale, spec.head_dim_k)

@@ -81,6 +81,14 @@ def _carve(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int,
 _MAX_SIGNATURES = 256
 
 
+def remember(cache: dict, key: Any, value: Any) -> Any:
+    """Store `value` under `key` in a per-kernel cache of call signatures, emptied when it is full."""
+    if len(cache) >= _MAX_SIGNATURES:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _props(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.dtype, t.device, t.requires_grad)
 
@@ -323,9 +331,7 @@ class KDAKernel:
             (nseq, total, hv, sms, policy)
         found = self._schedules.get(key)
         if found is None:
-            if len(self._schedules) >= _MAX_SIGNATURES:
-                self._schedules.clear()
-            found = self._schedules[key] = self.schedule(nseq, total, hv, sms, policy)
+            found = remember(self._schedules, key, self.schedule(nseq, total, hv, sms, policy))
         return found
 
     def _sm_count(self, device: torch.device) -> int:
@@ -444,9 +450,7 @@ class KDAKernel:
         if sizes is None:
             sizes = self._validate(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
             if sig is not None:
-                if len(self._validated) >= _MAX_SIGNATURES:
-                    self._validated.clear()
-                self._validated[sig] = sizes
+                remember(self._validated, sig, sizes)
         bsz, seqlen, nh, hv, nseq = sizes
         total = bsz * seqlen
         device = q.device
