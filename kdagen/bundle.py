@@ -47,6 +47,7 @@ from typing import Any
 
 from kdagen import paths
 from kdagen.errors import LoadError
+from kdagen.files import sha256_file
 from kdagen.version import __version__
 
 __all__ = [
@@ -130,7 +131,7 @@ class BundleEntry:
         self.check_sizes()
         for name, info in self.files.items():
             path = self.directory / name
-            if _sha256_file(path) != info["sha256"]:
+            if sha256_file(path) != info["sha256"]:
                 raise BundleError(
                     f"bundle {self.bundle}: {path} does not match its sha256 in the manifest; "
                     "copy the bundle again"
@@ -166,14 +167,6 @@ class Bundle:
     @property
     def targets(self) -> list[str]:
         return sorted({e.target for e in self.entries.values()})
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:

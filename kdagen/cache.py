@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kdagen import paths
 from kdagen.errors import CacheError
-from kdagen.files import write_atomic
+from kdagen.files import sha256_file, write_atomic
 
 if TYPE_CHECKING:
     from filelock import FileLock
@@ -72,14 +72,6 @@ class CacheEntry:
     @property
     def complete(self) -> bool:
         return self.meta is not None
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def artifact_file(name: str) -> str:
@@ -187,7 +179,7 @@ class ArtifactCache:
                 if (
                     not isinstance(info, dict)
                     or path.stat().st_size != info.get("bytes")
-                    or _sha256_file(path) != info.get("sha256")
+                    or sha256_file(path) != info.get("sha256")
                 ):
                     return None
             except OSError:

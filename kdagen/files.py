@@ -1,13 +1,16 @@
-"""Writing a file so that a reader sees the old bytes or the new ones, never a part of them."""
+"""Files: writing one so that a reader sees the old bytes or the new ones, never a part of them; hashing a
+file or a tree of files."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_atomic"]
+__all__ = ["write_atomic", "sha256_file", "tree_digest"]
 
 FILE_MODE = 0o644
 
@@ -32,3 +35,25 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_digest(h: Any, root: Path, pattern: str) -> None:
+    """Feed `h` the relative path and bytes of every file under `root` matching `pattern` (sorted, no
+    `__pycache__`), each prefixed by the lengths, so that no two trees hash alike."""
+    files = sorted(
+        p for p in root.rglob(pattern) if p.is_file() and "__pycache__" not in p.relative_to(root).parts
+    )
+    for path in files:
+        rel = path.relative_to(root).as_posix().encode()
+        data = path.read_bytes()
+        h.update(b"%d:%s%d:" % (len(rel), rel, len(data)))
+        h.update(data)

@@ -20,12 +20,11 @@ import hashlib
 import importlib.metadata as md
 import json
 from pathlib import Path
-from typing import Any
 
 import pydantic
 
 from kdagen import paths
-from kdagen.files import write_atomic
+from kdagen.files import tree_digest, write_atomic
 from kdagen.version import __version__
 
 __all__ = ["generator_digest", "memo_id", "load_digests", "store_digests", "MEMO_DIR"]
@@ -43,17 +42,6 @@ def _jinja_version() -> str:
         return "none"
 
 
-def _tree_digest(h: Any, root: Path, pattern: str) -> None:
-    files = sorted(
-        p for p in root.rglob(pattern) if p.is_file() and "__pycache__" not in p.relative_to(root).parts
-    )
-    for path in files:
-        rel = path.relative_to(root).as_posix().encode()
-        data = path.read_bytes()
-        h.update(b"%d:%s%d:" % (len(rel), rel, len(data)))  # lengths first: no two trees hash alike
-        h.update(data)
-
-
 def generator_digest(templates: Path | None = None, package: Path | None = None) -> str:
     """sha256 over everything a render depends on besides the spec.
 
@@ -63,9 +51,9 @@ def generator_digest(templates: Path | None = None, package: Path | None = None)
     versions = f"kdagen {__version__}; jinja2 {_jinja_version()}; pydantic {pydantic.VERSION}; memo {_FORMAT}"
     h = hashlib.sha256(versions.encode() + b"\n")
     h.update(b"package\n")
-    _tree_digest(h, package or paths.package_dir(), "*.py")
+    tree_digest(h, package or paths.package_dir(), "*.py")
     h.update(b"templates\n")
-    _tree_digest(h, templates or paths.templates_dir(), "*")
+    tree_digest(h, templates or paths.templates_dir(), "*")
     return h.hexdigest()
 
 

@@ -16,6 +16,8 @@ import functools
 import hashlib
 from pathlib import Path
 
+from kdagen.files import tree_digest
+
 __all__ = ["device_digest"]
 
 _ROOT = Path(__file__).resolve().parent
@@ -26,9 +28,5 @@ def device_digest() -> str:
     """sha256 over the relative path and bytes of every ``*.py`` of this package (sorted; cached per
     process)."""
     h = hashlib.sha256()
-    for path in sorted(p for p in _ROOT.rglob("*.py") if "__pycache__" not in p.parts):
-        rel = path.relative_to(_ROOT).as_posix().encode()
-        data = path.read_bytes()
-        h.update(b"%d:%s%d:" % (len(rel), rel, len(data)))
-        h.update(data)
+    tree_digest(h, _ROOT, "*.py")
     return h.hexdigest()
