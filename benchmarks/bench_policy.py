@@ -104,7 +104,7 @@ def options_for(point: Point, facts: PlanFacts, sms: int,
     if facts.fused_margin is not None:
         opts.append(SchedulePolicy(intracard_cp="off", fused="off"))
         opts.append(SchedulePolicy(intracard_cp="off", fused="on", fused_pair="off"))
-        if facts.pair_step is not None and 2 * point.seqs * point.heads <= sms:
+        if facts.pair and 2 * point.seqs * point.heads <= sms:
             opts.append(SchedulePolicy(intracard_cp="off", fused="on", fused_pair="on"))
     return {p.label(): p for p in opts}
 
@@ -117,12 +117,12 @@ def choice_label(sched: Schedule, point: Point, facts: PlanFacts, sms: int) -> s
     args = sched.fused_args
     if not args:
         return SchedulePolicy(intracard_cp="off").label()
-    pair = len(args) > 2 and bool(args[2])
+    pair_steps = args[2] if len(args) > 2 else 0
     fused = args[0] == 2 or (args[0] == 1 and device_picks_fused((point.tokens,) * point.seqs, point.heads,
-                                                                  sms, facts, pair))
+                                                                  sms, facts, pair_steps))
     if not fused:
         return SchedulePolicy(intracard_cp="off", fused="off").label()
-    return SchedulePolicy(intracard_cp="off", fused="on", fused_pair="on" if pair else "off").label()
+    return SchedulePolicy(intracard_cp="off", fused="on", fused_pair="on" if pair_steps else "off").label()
 
 
 def best_option(times: dict[str, float | None]) -> tuple[str | None, float | None]:
@@ -196,7 +196,8 @@ def facts_of(data: dict[str, Any]) -> PlanFacts:
         spec = KernelSpec(**data["meta"]["spec_info"])
         return PlanFacts.from_plan(spec, make_plan(spec))
     except Exception:
-        return PlanFacts(**data["meta"]["facts"])
+        known = {f.name for f in dataclasses.fields(PlanFacts)}
+        return PlanFacts(**{k: v for k, v in data["meta"]["facts"].items() if k in known})
 
 
 def check(data: dict[str, Any], costs: CostModel = COSTS, tol: float = TOLERANCE,

@@ -54,13 +54,9 @@ FUSED_QUEUE = 4
 # each CTA the recurrence of half the value rows and the preparation of every other step, which it hands to
 # the partner by bulk shared-memory copies. The two CTAs' prepare warps share one ring schedule, so the ring
 # holds a step for each of them (FUSED_PAIR_STAGES >= 2 x prepare warps a CTA: `_pair_prep_warps`).
-# A chain steps in ~0.6 x the time of one CTA's, which FUSED_PAIR_STEP applies to the setup kernel's estimate:
-# ~0.93 against ~1.65 us (docs/experiments.md, "Fused kernel in CTA pairs").
+# Whether a call takes the pair form is the runtime's cost model (kdagen.policy.pair_step_limit): it passes
+# the longest chain, in steps, for which a pair's chain beats prepare and the recurrence beside it.
 FUSED_PAIR_STAGES = 8
-FUSED_PAIR_STEP = 0.6
-# The pair form is taken within FUSED_PAIR_MARGIN (not FUSED_MARGIN) of the balanced steps: 1.4 takes every
-# measured H=64 call from T=512 up and no call at 48 heads or fewer (docs/experiments.md, "Pair margin").
-FUSED_PAIR_MARGIN = 1.4
 
 
 @dataclass(frozen=True)
@@ -343,8 +339,6 @@ def make_plan(spec: KernelSpec) -> Plan:
             "fused_margin": FUSED_MARGIN,
             "fused_fill_steps": FUSED_FILL_STEPS,
             "fused_pair": pair,
-            "fused_pair_step": FUSED_PAIR_STEP,
-            "fused_pair_margin": FUSED_PAIR_MARGIN,
         },
         note="the entry point: a setup kernel (ready flags, sequence order, path choice), then prepare and "
         + ("the recurrence beside it" if pdl else "the recurrence after it")

@@ -51,6 +51,7 @@ __all__ = [
     "fused_time_us",
     "cp_time_us",
     "fused_args",
+    "pair_step_limit",
     "device_picks_fused",
     "by_length",
     "overlap",
@@ -182,8 +183,7 @@ class PlanFacts:
     prepare_heads_per_cta: int = 4  # prepare's CTAs cover this many heads (a call's heads round up to it)
     fused_margin: float | None = None  # None: the variant has no fused kernel
     fused_fill: int = 0  # steps to fill the fused kernel's ring (the setup kernel's F)
-    pair_step: float | None = None  # None: no CTA-pair form; else a pair's step in one-CTA steps
-    pair_margin: float | None = None
+    pair: bool = False  # the fused kernel has its CTA-pair form
 
     @classmethod
     def from_plan(cls, spec: KernelSpec, plan: Plan) -> PlanFacts:
@@ -196,8 +196,7 @@ class PlanFacts:
             prepare_heads_per_cta=params["prepare"]["heads_per_cta"],
             fused_margin=fwd["fused_margin"] if fused else None,
             fused_fill=fwd["fused_fill_steps"] if fused else 0,
-            pair_step=fwd["fused_pair_step"] if fused and pair else None,
-            pair_margin=fwd["fused_pair_margin"] if fused and pair else None,
+            pair=fused and pair,
         )
 
 
@@ -278,11 +277,11 @@ def whole_time_us(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, co
                   policy: SchedulePolicy = AUTO) -> float:
     """Estimated time of the whole-sequence path the call takes (the setup kernel's pick resolved for
     sequences of the mean length)."""
-    args = fused_args(nseq, hv, total, sms, facts, policy)
-    pair = len(args) > 2 and bool(args[2])
+    args = fused_args(nseq, hv, total, sms, facts, policy, costs)
+    pair_steps = args[2] if len(args) > 2 else 0
     if args and (args[0] == 2 or (args[0] == 1 and device_picks_fused(
-            (total / nseq,) * nseq, hv, sms, facts, pair))):
-        return fused_time_us(nseq, total, hv, sms, facts, pair, costs)
+            (total / nseq,) * nseq, hv, sms, facts, pair_steps))):
+        return fused_time_us(nseq, total, hv, sms, facts, pair_steps > 0, costs)
     return two_stage_time_us(nseq, total, hv, sms, facts, costs)
 
 
@@ -343,53 +342,72 @@ def cp_segment_len(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts,
 # ---------------------------------------------------------------------------------------------------------
 
 
+def pair_step_limit(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts,
+                    costs: CostModel = COSTS) -> float:
+    """The longest chain, in steps, for which the fused kernel's CTA-pair form is estimated to beat prepare
+    and the recurrence beside it, on a call whose chains all run at once on either path.
+
+    Both paths then take the longest chain's steps: the pair form at `pair_step_us` a step plus its fill,
+    the two-stage path at its loaded step plus prepare's work, which grows with the call's `total` tokens:
+    pair_fixed + (L + F) pair_step <= two_stage_fixed + L step + prepare(total), solved for L.
+    """
+    ctas = nseq * hv * facts.v_slices  # the recurrence's CTAs
+    step = costs.step_us + costs.step_load_us * min(ctas, sms) / sms
+    prep = _prepare_k(total, hv, sms, facts) * (costs.prepare_sm_ns
+                                                + costs.prepare_wait_sm_ns * (nseq - 1) / max(nseq, 1))
+    extra = costs.pair_step_us - step  # a step of the pair form over a two-stage step
+    spare = costs.two_stage_fixed_us - costs.pair_fixed_us + prep - facts.fused_fill * costs.pair_step_us
+    return math.inf if extra <= 0 else spare / extra
+
+
 def fused_args(nseq: int, hv: int, total: int, sms: int, facts: PlanFacts,
-               policy: SchedulePolicy = AUTO) -> tuple[int, ...]:
+               policy: SchedulePolicy = AUTO, costs: CostModel = COSTS) -> tuple[int, ...]:
     """The forward stage's (allow_fused, sms) arguments where the variant has a fused kernel, else none, and
-    its `pair` argument where the variant has the CTA-pair form.
+    its `pair_steps` argument where the variant has the CTA-pair form.
 
     allow_fused 0 runs prepare and the recurrence; 1 lets the setup kernel choose from the lengths; 2 runs
-    the fused kernel. Under "auto", a call the setup kernel's rule could never give the fused kernel is
-    settled here, which also spares the launch of its persistent grid. The setup kernel picks the fused
-    kernel when max(longest, waves x mean) + F <= margin x sum x HV / SMs (steps, F the fill steps; in
-    pairs, the left side times the pair step and the pair form's margin); with mean = sum / N that only gets
-    truer as the sum grows, and the sum is at most (total + 15 N) // 16, so a "no" at that bound (with the
-    smaller total / 16 / N on the left) is a "no" for the call. `pair` is 1 where every chain gets its two
-    CTAs at once (the pair form has no chain counter).
+    the fused kernel. One CTA a chain, the setup kernel picks the fused kernel when max(longest, waves x
+    mean) + F <= margin x sum x HV / SMs (steps, F the fill steps); with mean = sum / N that only gets truer
+    as the sum grows, and the sum is at most (total + 15 N) // 16, so a "no" at that bound (with the smaller
+    total / 16 / N on the left) is a "no" for the call, settled here (which also spares the launch of the
+    persistent grid). `pair_steps` is non-zero where every chain gets its two CTAs at once (the pair form
+    has no chain counter): the longest chain, in steps, for which the pair form wins (`pair_step_limit`),
+    and the setup kernel takes it for calls whose longest chain is no longer; a call whose mean chain is
+    already longer is a "no" here.
     """
     if facts.fused_margin is None:
         return ()
     chains = nseq * hv
     pair: tuple[int, ...] = ()
-    if facts.pair_step is not None:
-        pair = (int(0 < 2 * chains <= sms and policy.fused_pair != "off"),)
+    if facts.pair:
+        limit = 0
+        if 0 < 2 * chains <= sms and policy.fused_pair != "off":
+            limit = int(min(max(pair_step_limit(nseq, total, hv, sms, facts, costs), 1.0), 2**31 - 1))
+        pair = (limit,)
     if policy.fused == "off":
         return (0, sms, *pair)
     if policy.fused == "on":
         return (2, sms, *pair)
+    if pair and pair[0]:
+        return (int(nseq > 0 and total / CHUNK / nseq <= pair[0]), sms, *pair)
     waves = -(-chains // sms)
     low = waves * total / CHUNK / max(nseq, 1) + facts.fused_fill
-    margin = facts.fused_margin
-    if pair and pair[0]:
-        low *= facts.pair_step  # type: ignore[operator]
-        margin = facts.pair_margin  # type: ignore[assignment]
-    high = margin * ((total + (CHUNK - 1) * nseq) // CHUNK) * hv / sms  # the sum of steps at most
+    high = facts.fused_margin * ((total + (CHUNK - 1) * nseq) // CHUNK) * hv / sms  # the sum of steps at most
     return (int(nseq > 0 and low <= high), sms, *pair)
 
 
-def device_picks_fused(lengths: tuple[float, ...], hv: int, sms: int, facts: PlanFacts, pair: bool) -> bool:
+def device_picks_fused(lengths: tuple[float, ...], hv: int, sms: int, facts: PlanFacts,
+                       pair_steps: int = 0) -> bool:
     """The setup kernel's rule (templates/common/forward.py.j2) for sequences of `lengths` tokens, evaluated
     on the host: what allow_fused=1 resolves to on the device."""
     if facts.fused_margin is None or not lengths:
         return False
     steps = [math.ceil(n / CHUNK) for n in lengths]
+    if pair_steps:
+        return max(steps) <= pair_steps
     waves = -(-(len(lengths) * hv) // sms)
     estimate = max(max(steps), waves * sum(steps) / len(steps)) + facts.fused_fill
-    margin = facts.fused_margin
-    if pair and facts.pair_step is not None:
-        estimate *= facts.pair_step
-        margin = facts.pair_margin  # type: ignore[assignment]
-    return estimate <= margin * sum(steps) * hv / sms
+    return estimate <= facts.fused_margin * sum(steps) * hv / sms
 
 
 def by_length(nseq: int, rec_ctas: int, sms: int, policy: SchedulePolicy = AUTO) -> bool:
@@ -430,4 +448,4 @@ def schedule(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, policy:
         return Schedule(seg, False, False, ())
     rec_ctas = nseq * hv * facts.v_slices
     return Schedule(None, overlap(rec_ctas, sms, policy), by_length(nseq, rec_ctas, sms, policy),
-                    fused_args(nseq, hv, total, sms, facts, policy))
+                    fused_args(nseq, hv, total, sms, facts, policy, costs))

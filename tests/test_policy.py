@@ -21,8 +21,10 @@ from kdagen.policy import (
     by_length,
     cp_segment_len,
     cp_time_us,
+    device_picks_fused,
     fused_args,
     overlap,
+    pair_step_limit,
     schedule,
     whole_time_us,
 )
@@ -226,18 +228,40 @@ def test_fused_args_one_cta_a_chain(fused: str, nseq: int, total: int, expected:
 
 @pytest.mark.parametrize(
     ("fused", "pair", "nseq", "hv", "total", "expected"),
-    [("auto", "auto", 1, 64, 16384, (1, 132, 1)),
-     ("auto", "on", 1, 64, 16384, (1, 132, 1)),
-     ("auto", "auto", 1, 32, 16384, (0, 132, 1)),
-     ("auto", "auto", 1, 64, 512, (1, 132, 1)),
-     ("auto", "auto", 1, 64, 256, (0, 132, 1)),
+    [("auto", "auto", 1, 64, 16384, (1, 132, 1721)),  # 1024 steps; the pair form wins up to 1721
+     ("auto", "on", 1, 64, 16384, (1, 132, 1721)),
+     ("auto", "auto", 1, 32, 16384, (0, 132, 726)),  # 1024 steps past the limit: settled here
+     ("auto", "auto", 1, 64, 512, (1, 132, 42)),
+     ("auto", "auto", 1, 64, 256, (0, 132, 15)),  # 16 steps, one past the limit
+     ("auto", "auto", 16, 2, 16384, (1, 132, 95)),  # 32 chains of 64 steps: prepare's work pays for pairs
+     ("auto", "auto", 4, 1, 16384, (0, 132, 81)),
      ("auto", "auto", 2, 64, 32768, (1, 132, 0)),  # 128 chains: more than half the SMs, one CTA each
      ("auto", "off", 1, 64, 16384, (0, 132, 0)),
-     ("on", "auto", 1, 66, 777, (2, 132, 1)), ("on", "auto", 1, 67, 777, (2, 132, 0)),
-     ("off", "auto", 1, 64, 16384, (0, 132, 1)), ("auto", "auto", 0, 64, 0, (0, 132, 0))],
+     ("on", "auto", 1, 66, 777, (2, 132, 76)), ("on", "auto", 1, 67, 777, (2, 132, 0)),
+     ("off", "auto", 1, 64, 16384, (0, 132, 1721)), ("auto", "auto", 0, 64, 0, (0, 132, 0))],
 )
 def test_fused_args_pair_form(fused: str, pair: str, nseq: int, hv: int, total: int, expected: tuple):
     assert fused_args(nseq, hv, total, SMS, FUSED, SchedulePolicy(fused=fused, fused_pair=pair)) == expected
+
+
+def test_pair_step_limit_is_where_the_estimates_meet():
+    """At the limit, the pair form's estimate equals the two-stage path's (both take the longest chain)."""
+    for nseq, hv, total in ((1, 64, 16384), (16, 2, 16384), (16, 4, 8192)):
+        limit = pair_step_limit(nseq, total, hv, SMS, FUSED)
+        c = COSTS
+        step = c.step_us + c.step_load_us * min(2 * nseq * hv, SMS) / SMS
+        wait = c.prepare_wait_sm_ns * (nseq - 1) / nseq
+        prep = total * (-(-hv // 4) * 4) / SMS / 1000 * (c.prepare_sm_ns + wait)
+        pair_us = c.pair_fixed_us + (limit + FUSED.fused_fill) * c.pair_step_us
+        assert pair_us == pytest.approx(c.two_stage_fixed_us + limit * step + prep)
+
+
+def test_setup_rule_in_pairs_takes_the_longest_chain():
+    assert device_picks_fused((1600, 16), 2, SMS, FUSED, pair_steps=100)  # 100 steps: at the limit
+    assert not device_picks_fused((1616, 16), 2, SMS, FUSED, pair_steps=100)
+    assert device_picks_fused((160,) * 16, 2, SMS, FUSED, pair_steps=10)
+    # one CTA a chain: the balanced rule, which 16 chains of two heads never meet
+    assert not device_picks_fused((160,) * 16, 2, SMS, FUSED, pair_steps=0)
 
 
 # ---- overlap and order ----
@@ -327,9 +351,9 @@ def test_check_on_a_recorded_sweep():
     assert rows[(4, 1, 8192)]["pick"] == "intracard_cp=1024"
     assert rows[(4, 1, 65536)]["pick"] == "intracard_cp=2048"
     assert rows[(64, 1, 16384)]["pick"] == "intracard_cp=off,fused=on,fused_pair=on"
-    # what remains off: 16 sequences at two heads, where the setup kernel keeps the two-stage path although
-    # the CTA-pair form is ~1.3x faster on equal lengths (the host does not know the lengths)
-    assert {k for k, r in rows.items() if r["slow"]} == {(2, 16, 2048), (2, 16, 8192)}
+    # 16 sequences at one and two heads: the CTA-pair form, ~1.3x faster than the two-stage path
+    assert rows[(2, 16, 8192)]["pick"] == "intracard_cp=off,fused=on,fused_pair=on"
+    assert not any(r["slow"] for r in rows.values())
     assert result["summary"]["falls"] == 0
     # a cost model that never takes CP is slow at every middle length
     never = bench_policy.check(data, bench_policy.parse_costs("cp_margin=0.2"))
@@ -340,7 +364,7 @@ def test_check_on_a_recorded_sweep():
 def test_check_cli(capsys: pytest.CaptureFixture[str]):
     assert bench_policy.main(["--check", str(FIXTURE)]) == 0
     out = capsys.readouterr().out
-    assert "H4-N1-T8192" in out and "14 points: 2 over 1.10x best, 0 where time falls" in out
+    assert "H4-N1-T8192" in out and "14 points: 0 over 1.10x best, 0 where time falls" in out
 
 
 def test_markdown_and_summary_of_a_sweep():
@@ -359,5 +383,5 @@ def test_fit_ranks_constants_by_the_check():
     ranked = bench_policy.fit(data, "cp_margin=0.2/1.0,cp_tie=0/0.03")
     assert len(ranked) == 4
     best_key, best_costs, best_summary = ranked[0]
-    assert best_costs.cp_margin == 1.0 and best_summary["slow"] == 2
+    assert best_costs.cp_margin == 1.0 and best_summary["slow"] == 0
     assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)

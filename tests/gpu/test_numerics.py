@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from kdagen.policy import SchedulePolicy
+from kdagen.policy import PlanFacts, SchedulePolicy, device_picks_fused
 from kdagen.reference import assert_close
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
@@ -200,22 +200,14 @@ def _kernel_times_us(fn: Callable[[], Any]) -> dict[str, float]:
 
 
 def _fused_expected(lengths: tuple[int, ...], heads: int, kernel: Any) -> bool | None:
-    """The setup kernel's rule (templates/common/forward.py.j2), or None when the host settles the call
-    (kdagen.policy.fused_args: no fused launch)."""
-    forward = next(s.params for s in kernel.plan.stages if s.name == "forward")
-    margin, fill = forward["fused_margin"], forward["fused_fill_steps"]
+    """The setup kernel's rule for these lengths (`kdagen.policy.device_picks_fused`, its host mirror), or
+    None when the host settles the call (kdagen.policy.fused_args: no fused launch)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     args = kernel.schedule(len(lengths), sum(lengths), heads, sms, SchedulePolicy()).fused_args
     if args[0] == 0:
         return None
-    chains = len(lengths) * heads
-    steps = [-(-n // 16) for n in lengths]
-    waves = -(-chains // sms)
-    estimate = max(max(steps), waves * sum(steps) / len(steps)) + fill
-    if len(args) > 2 and args[2]:  # the pair form: a step of a pair in steps of a one-CTA chain
-        estimate *= forward["fused_pair_step"]
-        margin = forward["fused_pair_margin"]
-    return estimate <= margin * sum(steps) * heads / sms
+    facts = PlanFacts.from_plan(kernel.spec, kernel.plan)
+    return device_picks_fused(lengths, heads, sms, facts, args[2] if len(args) > 2 else 0)
 
 
 # 128 chains of equal length (one full wave on 132 SMs); as many chains with one sequence doing most of the
