@@ -23,6 +23,9 @@ BLOCK_V = 64
 # Value columns per decode CTA, one thread each holding its column of the state: two CTAs a head at
 # V=128, the fastest of the shapes measured (docs/experiments.md, "Decode").
 DECODE_BLOCK_V = 64
+# Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
+# one dependent chain (docs/experiments.md, "Decode").
+DECODE_PARTIAL_SUMS = 4
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -402,6 +405,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "state_layout": spec.state_layout,
             "block_v": min(DECODE_BLOCK_V, spec.head_dim_v),
+            "partial_sums": DECODE_PARTIAL_SUMS,
+            "state_dtype": DTYPES[spec.state_dtype].dsl,
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
