@@ -27,6 +27,7 @@ class ArchInfo:
     gpus: str  # the GPUs of this target, for tables and messages
     families: tuple[str, ...]  # template families that can target it, preferred first
     has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
+    has_bulk_copy: bool  # cp.async.bulk: one thread streams a contiguous block between global and shared memory
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
     runs_here: bool  # False: compiled and inspected here, never run (this project has no such GPU)
     # Targets whose GPUs offer every feature this target's plans use, so that those plans, compiled for one of
@@ -73,6 +74,7 @@ ARCHS: dict[str, ArchInfo] = {
             gpus="A100",
             families=("mma_sync",),
             has_pdl=False,
+            has_bulk_copy=False,
             smem_bytes_per_block=163 * 1024,  # 164 KB per SM, 163 KB per block with opt-in
             runs_here=False,
             emulated_on=("sm_90a",),
@@ -82,6 +84,7 @@ ARCHS: dict[str, ArchInfo] = {
             gpus="L40S/RTX 4090",
             families=("mma_sync",),
             has_pdl=False,
+            has_bulk_copy=False,
             smem_bytes_per_block=99 * 1024,  # 100 KB per SM, 99 KB per block with opt-in
             runs_here=False,
             emulated_on=("sm_90a",),
@@ -92,6 +95,7 @@ ARCHS: dict[str, ArchInfo] = {
             # wgmma first: its recurrence is the faster one (plan._AUTO_REASONS)
             families=("wgmma", "mma_sync"),
             has_pdl=True,
+            has_bulk_copy=True,
             smem_bytes_per_block=227 * 1024,
             runs_here=True,
         ),
@@ -100,6 +104,7 @@ ARCHS: dict[str, ArchInfo] = {
             gpus="B200",
             families=("mma_sync",),
             has_pdl=True,
+            has_bulk_copy=True,
             smem_bytes_per_block=227 * 1024,
             runs_here=False,
         ),

@@ -23,6 +23,8 @@ BLOCK_V = 64
 # Value columns per decode CTA, one thread each holding its column of the state: two CTAs a head at
 # V=128, the fastest of the shapes measured (docs/experiments.md, "Decode").
 DECODE_BLOCK_V = 64
+# Shared memory of the decode stage besides a bulk-copied slot: the token's q, k and decays, sums, a barrier.
+DECODE_SMEM_EXTRA = 4096
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
@@ -393,6 +395,11 @@ def make_plan(spec: KernelSpec) -> Plan:
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
     # family's, since it uses no tensor cores (one thread a value column, the state column in registers).
+    # With bulk copies a CTA takes a whole head, whose slot moves through shared memory in one copy each way
+    # (K >= V, so that the V threads stage the token's K inputs in whole rounds).
+    slot_bytes = spec.head_dim_k * spec.head_dim_v * DTYPES[spec.state_dtype].nbytes
+    decode_bulk = (spec.arch_info.has_bulk_copy and spec.head_dim_k >= spec.head_dim_v
+                   and slot_bytes + DECODE_SMEM_EXTRA <= spec.arch_info.smem_bytes_per_block)
     decode = StagePlan(
         "decode",
         "common/decode.py.j2",
@@ -404,9 +411,11 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "state_layout": spec.state_layout,
-            "block_v": min(DECODE_BLOCK_V, spec.head_dim_v),
+            "block_v": spec.head_dim_v if decode_bulk else min(DECODE_BLOCK_V, spec.head_dim_v),
+            "bulk": decode_bulk,
             "partial_sums": DECODE_PARTIAL_SUMS,
             "state_dtype": DTYPES[spec.state_dtype].dsl,
+            "state_bytes": DTYPES[spec.state_dtype].nbytes,
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
