@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdagen.runtime import _check_no_grad, _need, _prepared, _props, check_scale, remember, validate_inputs
+from kdagen.runtime import (
+    _check_no_grad,
+    _need,
+    _prepared,
+    _props,
+    check_scale,
+    has_data,
+    remember,
+    validate_inputs,
+)
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel
@@ -58,7 +67,10 @@ def validate_decode_inputs(
     require_cuda: bool = True,
 ) -> tuple[int, int, int, int, int]:
     """Every check of a decode call's arguments (InputError naming the argument and what was expected);
-    returns (B, T, H, HV, N) of q's [B, T, H, K] and the requests. Nothing here needs a GPU."""
+    returns (B, T, H, HV, N) of q's [B, T, H, K] and the requests. Nothing here needs a GPU: with
+    `require_cuda=False` the checks run on CPU, meta or fake tensors (``kdagen::decode``'s fake
+    implementation), where those that read values or addresses (CPU cu_seqlens values, alignment, out
+    aliasing an input) are left out for a tensor that has none."""
     bsz, seqlen, nh, hv, nreq = validate_inputs(
         spec, q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens, require_cuda=require_cuda
     )
@@ -88,8 +100,9 @@ def validate_decode_inputs(
     _need(state_pool.shape[0] <= 1 or state_pool.stride(0) >= slot, lambda: (
         f"state_pool: expected a slot stride of at least a slot's {slot} elements, got "
         f"{state_pool.stride(0)}"))
-    _need(state_pool.data_ptr() % 16 == 0 and (state_pool.stride(0) * 4) % 16 == 0, lambda: (
-        "state_pool: expected 16-byte aligned slots (the base pointer and the slot stride in bytes)"))
+    aligned = not has_data(state_pool) or state_pool.data_ptr() % 16 == 0
+    _need(aligned and (state_pool.stride(0) * 4) % 16 == 0,
+          "state_pool: expected 16-byte aligned slots (the base pointer and the slot stride in bytes)")
 
     _need(isinstance(state_indices, torch.Tensor), lambda: (
         f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}"))
@@ -128,9 +141,10 @@ def validate_decode_inputs(
               and out.dtype == dt and out.device == device, lambda: (
                   f"out: expected a {dt} tensor [B, T, HV, V] = [{bsz}, {seqlen}, {hv}, {vdim}] on {device}, "
                   f"got {getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}"))
-        _need(out.is_contiguous() and out.data_ptr() % 16 == 0, "out: expected a contiguous, 16-byte aligned "
-              "tensor")
-        _need(not any(out.data_ptr() == x.data_ptr() for x in (q, k, v, g, beta)),
+        data = has_data(out)
+        _need(out.is_contiguous() and (not data or out.data_ptr() % 16 == 0),
+              "out: expected a contiguous, 16-byte aligned tensor")
+        _need(not data or not any(out.data_ptr() == x.data_ptr() for x in (q, k, v, g, beta)),
               "out: must not alias an input")
     _check_no_grad({"state_pool": state_pool})  # (validate_inputs checked q, k, v, g, beta, A_log, dt_bias)
     return bsz, seqlen, nh, hv, nreq

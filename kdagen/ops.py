@@ -1,25 +1,42 @@
-"""`torch.library` custom ops for kdagen kernels, so that `torch.compile` traces a KDA forward as one opaque
-node instead of breaking the graph.
+"""`torch.library` custom ops for kdagen kernels, so that `torch.compile` traces a KDA forward or decode step
+as one opaque node instead of breaking the graph.
 
 ``torch.ops.kdagen.forward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
 output_final_state, cu_seqlens, policy_json) -> (o, final_state)``
 
+``torch.ops.kdagen.decode(spec_json, q, k, v, g, beta, state_pool, state_indices, scale, A_log, dt_bias,
+num_accepted_tokens, has_initial_state, update_state, cu_seqlens, out) -> o``
+
 - ``spec_json`` is the spec's canonical JSON (`KernelSpec.canonical_json`, or `spec_json(spec)` here). The
-  op resolves it through `kdagen.get_kernel`, whose repeated lookup is an in-memory hit, so the string is
+  ops resolve it through `kdagen.get_kernel`, whose repeated lookup is an in-memory hit, so the string is
   the whole identity of the kernel and the graph holds it as a constant.
 - ``policy_json`` is None (the kernel's own scheduling) or the JSON of `kdagen.policy.SchedulePolicy`'s
   fields (`policy_json(policy)` here).
-- The op mutates nothing. ``final_state`` is an empty fp32 tensor when ``output_final_state`` is False
+- ``forward`` mutates nothing. ``final_state`` is an empty fp32 tensor when ``output_final_state`` is False
   (a custom op returns tensors, not None); `kda_forward` turns it back into None.
-- The fake (meta) implementation gives ``o`` as ``[B, T, HV, V]`` in q's dtype and ``final_state`` as
-  ``[N, HV, K, V]`` (``state_layout: kv``) or ``[N, HV, V, K]`` (``vk``) in fp32, N = B or
-  ``len(cu_seqlens) - 1``; it reads no tensor values.
-- The kernels are forward-only: there is no autograd formula. `kda_forward` refuses inputs that require
-  grad with the runtime's `InputError` before the op is reached; the op itself, called directly, raises the
-  same error from its autograd registration.
+- ``decode`` is `KDAKernel.decode` (`kdagen.decode` has the contract): it writes ``state_pool`` in place and,
+  when given, ``out``; the schema declares both mutated (``Tensor(a!) state_pool``, ``Tensor(a!)? out``), so
+  `torch.compile`'s functionalization sees the writes and keeps them ordered with the graph's other uses of
+  the pool (Inductor then calls the op on the caller's tensors, with no copy). A custom op may not return a
+  tensor that aliases an input, so with ``out`` the op returns an empty tensor of q's dtype (as
+  ``forward``'s absent state) and `kda_decode` returns ``out``; without it the op returns a new ``o``.
+  ``update_state=False`` writes no slot, but the schema still declares the pool mutated: the schema is one
+  for every call.
+- The fake (meta) implementations read no tensor values. ``forward``'s gives ``o`` as ``[B, T, HV, V]`` in
+  q's dtype and ``final_state`` as ``[N, HV, K, V]`` (``state_layout: kv``) or ``[N, HV, V, K]`` (``vk``)
+  in fp32, N = B or ``len(cu_seqlens) - 1``. ``decode``'s runs `kdagen.decode.validate_decode_inputs` with
+  ``require_cuda=False`` (the checks of shapes, dtypes, devices and strides; none of values or addresses),
+  so a bad call fails while tracing with the runtime's `InputError`, and gives ``o`` as ``[B, T, HV, V]``
+  in q's dtype.
+- The kernels are forward-only: there is no autograd formula. `kda_forward` and `kda_decode` refuse inputs
+  that require grad with the runtime's `InputError` before an op is reached. ``forward`` called directly
+  raises the same error from its autograd registration. ``decode`` mutates its arguments, and torch takes no
+  autograd formula for such an op: called directly it runs (torch runs it with grad mode off, so its checks
+  cannot tell), and a backward through its o raises torch's error for an op with no autograd formula.
 
-`kda_forward(spec, q, k, v, g, beta, ...)` is the Python entry point with the runtime's signature. Importing
-this module imports torch and registers the op; `import kdagen` does not import it.
+`kda_forward(spec, q, k, v, g, beta, ...)` and `kda_decode(kernel, q, k, v, g, beta, *, state_pool,
+state_indices, ...)` are the Python entry points with the runtime's signatures. Importing this module
+imports torch and registers the ops; `import kdagen` does not import it.
 """
 
 from __future__ import annotations
@@ -31,16 +48,19 @@ from typing import Any
 import torch
 
 import kdagen
+from kdagen.decode import validate_decode_inputs
 from kdagen.errors import InputError
-from kdagen.runtime import refuse_grad
+from kdagen.runtime import _check_no_grad, check_scale, refuse_grad
 from kdagen.spec import KernelSpec, resolve_spec
 
-__all__ = ["kda_forward", "spec_json", "policy_json", "OP_NAME"]
+__all__ = ["kda_forward", "kda_decode", "spec_json", "policy_json", "OP_NAME", "DECODE_OP_NAME"]
 
 OP_NAME = "kdagen::forward"
+DECODE_OP_NAME = "kdagen::decode"
 
-# Parsed JSON per string: the op sees the same few strings on every call.
+# Parsed JSON per string: the ops see the same few strings on every call.
 _spec_fields: dict[str, dict[str, Any]] = {}
+_specs: dict[str, KernelSpec] = {}
 _policies: dict[str, Any] = {}
 _json_of: dict[Any, str] = {}
 
@@ -48,7 +68,7 @@ _json_of: dict[Any, str] = {}
 @torch.compiler.assume_constant_result
 def spec_json(spec: KernelSpec | dict[str, Any] | str) -> str:
     """The canonical JSON of `spec` (a `KernelSpec`, a dict of fields, ``"file.yaml:name"``, or the JSON of
-    its fields), the form the op takes. Resolved once per argument; `SpecError` for a bad spec.
+    its fields), the form the ops take. Resolved once per argument; `SpecError` for a bad spec.
 
     Under `torch.compile` the result is a constant of the graph (`assume_constant_result`): a traced call
     resolves its spec once, at trace time, and a later change of the object is not seen by that graph."""
@@ -86,6 +106,19 @@ def _fields(spec_json_: str) -> dict[str, Any]:
     return found
 
 
+def _spec(spec_json_: str) -> KernelSpec:
+    # The checked spec of `spec_json_`, for a fake implementation (which loads no kernel).
+    found = _specs.get(spec_json_)
+    if found is None:
+        found = _specs[spec_json_] = resolve_spec(_fields(spec_json_))[1]
+    return found
+
+
+def _kernel(spec_json_: str) -> Any:
+    # Looked up on the package at call time: the kernel of `spec_json_` is built or loaded once per process.
+    return kdagen.get_kernel(_fields(spec_json_))
+
+
 def _policy(policy_json_: str | None) -> Any:
     if policy_json_ is None:
         return None
@@ -97,9 +130,16 @@ def _policy(policy_json_: str | None) -> Any:
     return found
 
 
-def _no_state(like: torch.Tensor) -> torch.Tensor:
-    # The op's final state when none is asked for: a custom op cannot return None.
-    return like.new_empty((0,), dtype=torch.float32)
+def _absent(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # An op's result that is not there (no final state asked for; decode's o written to `out`): a custom op
+    # returns tensors, neither None nor an alias of an input.
+    return like.new_empty((0,), dtype=dtype)
+
+
+def _op_scale(scale: Any, head_dim_k: int) -> float | None:
+    # The schema takes a float or None; another number goes through the runtime's check (which refuses a
+    # bad one before any op is reached).
+    return scale if scale is None or isinstance(scale, float) else check_scale(scale, head_dim_k)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -118,11 +158,10 @@ def _forward(
     cu_seqlens: torch.Tensor | None = None,
     policy_json: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Looked up on the package at call time: the kernel of `spec_json` is built or loaded once per process.
-    kernel = kdagen.get_kernel(_fields(spec_json))
-    o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                   output_final_state=output_final_state, cu_seqlens=cu_seqlens, policy=_policy(policy_json))
-    return o, (ht if ht is not None else _no_state(q))
+    o, ht = _kernel(spec_json)(
+        q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, policy=_policy(policy_json))
+    return o, (ht if ht is not None else _absent(q, torch.float32))
 
 
 @_forward.register_fake
@@ -146,7 +185,7 @@ def _forward_fake(
     bsz, seqlen, hv = v.shape[0], v.shape[1], v.shape[2]
     o = q.new_empty((bsz, seqlen, hv, vdim))
     if not output_final_state:
-        return o, _no_state(q)
+        return o, _absent(q, torch.float32)
     nseq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (nseq, hv, kdim, vdim) if fields["state_layout"] == "kv" else (nseq, hv, vdim, kdim)
     return o, q.new_empty(shape, dtype=torch.float32)
@@ -191,14 +230,104 @@ def kda_forward(
     of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
     object whose `spec_json` was taken outside the compiled region) so that nothing is resolved while
     tracing."""
-    if torch.is_grad_enabled():
-        refuse_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                     "initial_state": initial_state})
-    if scale is not None and not isinstance(scale, float):
-        # The schema takes a float; the runtime's check of other numbers (and of bad ones) applies.
-        from kdagen.runtime import check_scale
-
-        scale = check_scale(scale, q.shape[-1])
-    o, ht = torch.ops.kdagen.forward(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
-                                     output_final_state, cu_seqlens, policy_json(policy))
+    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                    "initial_state": initial_state})
+    o, ht = torch.ops.kdagen.forward(
+        spec_json(spec), q, k, v, g, beta, _op_scale(scale, q.shape[-1]), A_log, dt_bias, initial_state,
+        output_final_state, cu_seqlens, policy_json(policy))
     return o, (ht if output_final_state else None)
+
+
+# ---- decode ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(DECODE_OP_NAME, mutates_args=("state_pool", "out"))
+def _decode(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    update_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    o = _kernel(spec_json).decode(
+        q, k, v, g, beta, state_pool=state_pool, state_indices=state_indices, scale=scale, A_log=A_log,
+        dt_bias=dt_bias, num_accepted_tokens=num_accepted_tokens, has_initial_state=has_initial_state,
+        update_state=update_state, cu_seqlens=cu_seqlens, out=out)
+    return o if out is None else _absent(q, q.dtype)
+
+
+@_decode.register_fake
+def _decode_fake(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    update_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # The kernel's checks of everything but values and addresses, so that a bad call fails while tracing with
+    # the error an eager call gives; q's device is not checked (CPU and meta tensors trace too).
+    spec = _spec(spec_json)
+    check_scale(scale, spec.head_dim_k)
+    bsz, seqlen, _, hv, _ = validate_decode_inputs(
+        spec, q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
+        has_initial_state, cu_seqlens, out, require_cuda=False)
+    if out is not None:
+        return _absent(q, q.dtype)
+    return q.new_empty((bsz, seqlen, hv, spec.head_dim_v))
+
+
+def kda_decode(
+    kernel: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    update_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`KDAKernel.decode` through the ``kdagen::decode`` op: ``state_pool`` is updated in place and o
+    ``[N, S, HV, V]`` (``out`` when given) is returned.
+
+    `kernel` is a `KDAKernel` (the op finds it again by its spec), a `KernelSpec`, a dict of fields,
+    ``"file.yaml:name"`` or canonical JSON; the other arguments are `KDAKernel.decode`'s (the contract:
+    `kdagen.decode`). Under `torch.compile` pass canonical JSON or an object whose spec was resolved outside
+    the compiled region (a `KDAKernel` or `KernelSpec`) so that nothing is resolved while tracing."""
+    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                    "state_pool": state_pool})
+    o = torch.ops.kdagen.decode(
+        spec_json(getattr(kernel, "spec", kernel)), q, k, v, g, beta, state_pool, state_indices,
+        _op_scale(scale, q.shape[-1]), A_log, dt_bias, num_accepted_tokens, has_initial_state, update_state,
+        cu_seqlens, out)
+    return o if out is None else out

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from kdagen import workspace
 from kdagen.dtypes import DTYPES
@@ -106,6 +107,12 @@ def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: A
                 _props(initial_state), cu, torch.is_grad_enabled())
     except AttributeError:
         return None
+
+
+def has_data(t: torch.Tensor) -> bool:
+    """False for a tensor with no values or address to read: a meta tensor, or a fake one (`FakeTensorMode`,
+    `torch.compile`'s tracing). Checks that read values or addresses leave such a tensor out."""
+    return not (t.is_meta or is_fake(t))
 
 
 def validate_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> None:
@@ -186,7 +193,8 @@ def validate_inputs(
 ) -> tuple[int, int, int, int, int]:
     """Every check of a call's tensor arguments for `spec` (InputError naming the argument and what was
     expected); returns (B, T, H, HV, N). Nothing here needs a GPU; `require_cuda=False` leaves out the check
-    that q is a CUDA tensor, so the other checks can be run on CPU or meta tensors."""
+    that q is a CUDA tensor, so the other checks can be run on CPU, meta or fake tensors (the values of a
+    meta or fake cu_seqlens are not read)."""
     kdim, vdim = spec.head_dim_k, spec.head_dim_v
     dt = _TORCH_DTYPE[spec.dtype]
     # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
@@ -222,7 +230,7 @@ def validate_inputs(
               lambda: f"cu_seqlens: expected a tensor on {device} or on the CPU, got {cu_seqlens.device}")
         _need(bsz == 1, lambda: f"q: with cu_seqlens the batch must be packed as B=1, got B={bsz}")
         _need(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element [0, ...]")
-        if cu_seqlens.device.type == "cpu":
+        if cu_seqlens.device.type == "cpu" and has_data(cu_seqlens):
             validate_cu_seqlens(cu_seqlens, total)
         nseq = cu_seqlens.numel() - 1
 

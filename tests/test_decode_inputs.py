@@ -118,3 +118,18 @@ def test_out_must_not_alias_an_input():
     a = _args()
     with pytest.raises(InputError, match="out: must not alias an input"):
         _check(out=a["v"], v=a["v"])
+
+
+def test_checks_run_on_meta_and_fake_tensors():
+    """What `kdagen::decode`'s fake implementation relies on: no check reads a value or an address."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        assert _check() == (3, 1, 2, 2, 3)
+        with pytest.raises(InputError, match="state_pool: expected dtype torch.float32"):
+            _check(state_pool=torch.zeros(8, 2, 128, 128, dtype=torch.float16))
+    with FakeTensorMode():
+        cu = torch.zeros(4, dtype=torch.int32)  # on the CPU, values unknown: not read
+        sizes = _check(n=1, s=5, state_indices=torch.zeros(3, dtype=torch.int32), cu_seqlens=cu,
+                       out=torch.empty(1, 5, 2, 128, dtype=torch.bfloat16))
+    assert sizes == (1, 5, 2, 2, 3)

@@ -1,8 +1,9 @@
-"""The ``kdagen::forward`` custom op on the CPU: its fake (meta) implementation, `torch.library.opcheck`, a
-`torch.compile(fullgraph=True)` trace, and the refusal of inputs that require grad.
+"""The ``kdagen::forward`` and ``kdagen::decode`` custom ops on the CPU: their fake (meta) implementations,
+`torch.library.opcheck`, `torch.compile(fullgraph=True)` traces, the refusal of bad arguments and of inputs
+that require grad.
 
 No variant is compiled: `kdagen.get_kernel` is replaced by a fake kernel that runs the runtime's argument
-checks and computes the result with `kdagen.reference` on the CPU.
+checks and computes the result with `kdagen.reference` on the CPU (decode a token at a time, on the pool).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kdagen
 from kdagen import ops
+from kdagen.decode import validate_decode_inputs
 from kdagen.reference import kda_recurrent_reference
-from kdagen.runtime import check_scale, validate_inputs
+from kdagen.runtime import check_scale, state_shape, validate_inputs
 from kdagen.spec import KernelSpec
 
 PRE = dict(arch="sm_90a", head_dim_k=64, head_dim_v=64, gate="precomputed", safe_gate=False, lower_bound=None,
@@ -27,22 +29,61 @@ LB_VK = dict(arch="sm_90a", head_dim_k=64, head_dim_v=128, gva_ratio=2, gate="lo
 
 class FakeKernel:
     """A CPU stand-in for `KDAKernel`: the runtime's checks, then the fp64 reference cast like the kernel's
-    outputs. Records the policy of each call."""
+    outputs. Records the policy of each call and counts the decode steps that got past the checks."""
 
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
         self.policies: list[Any] = []
+        self.decodes = 0
+
+    def _reference(self, q, k, v, g, beta, **kw):
+        s = self.spec
+        return kda_recurrent_reference(q, k, v, g, beta, gate=s.gate, lower_bound=s.lower_bound,
+                                       l2norm_qk=s.l2norm_qk, state_layout=s.state_layout, **kw)
 
     def __call__(self, q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, initial_state=None,
                  output_final_state=False, cu_seqlens=None, policy=None):
         s = self.spec
         validate_inputs(s, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, require_cuda=False)
         self.policies.append(policy)
-        o, ht = kda_recurrent_reference(
+        o, ht = self._reference(
             q, k, v, g, beta, scale=check_scale(scale, s.head_dim_k), initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, gate=s.gate, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout)
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
         return o.to(q.dtype), (None if ht is None else ht.float())
+
+    def decode(self, q, k, v, g, beta, *, state_pool, state_indices, scale=None, A_log=None, dt_bias=None,
+               num_accepted_tokens=None, has_initial_state=None, update_state=True, cu_seqlens=None,
+               out=None):
+        """`KDAKernel.decode`'s slot semantics (`kdagen.decode`) a token at a time, on the pool in place."""
+        s = self.spec
+        bsz, seqlen, _, hv, nreq = validate_decode_inputs(
+            s, q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
+            has_initial_state, cu_seqlens, out, require_cuda=False)
+        self.decodes += 1
+        scale = check_scale(scale, s.head_dim_k)
+        o = out if out is not None else torch.zeros(bsz, seqlen, hv, s.head_dim_v, dtype=q.dtype)
+        idx = state_indices.view(nreq, -1).tolist()
+        cu = None if cu_seqlens is None else cu_seqlens.tolist()
+        for n, slots in enumerate(idx):
+            b, lo, hi = (n, 0, seqlen) if cu is None else (0, cu[n], cu[n + 1])
+            accepted = 1 if num_accepted_tokens is None else int(num_accepted_tokens[n])
+            src = slots[min(max(accepted, 1), len(slots)) - 1]
+            if src < 0:  # padding: nothing read or written, o = 0
+                o[b, lo:hi] = 0
+                continue
+            fresh = has_initial_state is not None and not bool(has_initial_state[n])
+            h = torch.zeros_like(state_pool[src]) if fresh else state_pool[src].clone()
+            for t in range(lo, hi):
+                step = (x[b:b + 1, t:t + 1] for x in (q, k, v, g, beta))
+                o_t, h = self._reference(*step, scale=scale, initial_state=h[None], output_final_state=True,
+                                         A_log=A_log, dt_bias=dt_bias)
+                h = h[0].float()
+                o[b, t] = o_t[0, 0].to(o.dtype)
+                if update_state and len(slots) > 1 and slots[t - lo] >= 0:
+                    state_pool[slots[t - lo]] = h
+            if update_state and len(slots) == 1:
+                state_pool[src] = h
+        return o
 
 
 @pytest.fixture
@@ -211,3 +252,260 @@ def test_requires_grad_gives_the_runtime_error(kernels: dict[str, FakeKernel]) -
     with torch.no_grad():
         o, _ = ops.kda_forward(PRE, **inp)
     assert not o.requires_grad
+
+
+# ---- kdagen::decode ---------------------------------------------------------------------------------------
+
+
+def _pool(spec: dict[str, Any], slots: int, hv: int, seed: int = 1, interleave: int = 1) -> torch.Tensor:
+    """A pool of `slots` states whose slots are `interleave` slot sizes apart (layers sharing a buffer)."""
+    gen = torch.Generator().manual_seed(seed)
+    inner = state_shape(KernelSpec(**spec), 1, hv)[1:]
+    return (torch.randn(slots, interleave, *inner, generator=gen) * 0.1)[:, 0]
+
+
+def _decode_case(case: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(spec, inputs, the decode keywords) of a named call: plain decode with a padding slot, verify with
+    FLA's slot semantics and fresh requests, varlen into `out`, output-only verify on a V-first pool."""
+    if case == "plain":
+        spec, inp = PRE, _inputs(PRE, B=4, T=1)
+        kw = {"state_indices": torch.tensor([5, -1, 0, 3])}
+    elif case == "verify":
+        spec, inp = LB_VK, _inputs(LB_VK, B=3, T=3)
+        kw = {"state_indices": torch.arange(9, dtype=torch.int32).view(3, 3),
+              "num_accepted_tokens": torch.tensor([1, 3, 2], dtype=torch.int32),
+              "has_initial_state": torch.tensor([True, False, True])}
+    elif case == "varlen_out":
+        spec, inp = LB_VK, _inputs(LB_VK, B=1, T=6)
+        kw = {"state_indices": torch.tensor([2, 7, 4]),
+              "cu_seqlens": torch.tensor([0, 1, 3, 5], dtype=torch.int32),
+              "out": torch.full((1, 6, 4, 128), 7.0, dtype=torch.bfloat16), "scale": 0.25}
+    elif case == "no_update_vk":
+        spec, inp = {**PRE, "state_layout": "vk"}, _inputs({**PRE, "state_layout": "vk"}, B=2, T=2)
+        kw = {"state_indices": torch.tensor([[1, 2], [3, 4]]), "update_state": False}
+    else:
+        raise AssertionError(case)
+    hv = inp["v"].shape[2]
+    kw["state_pool"] = _pool(spec, 10, hv, interleave=2 if case == "plain" else 1)
+    return spec, inp, kw
+
+
+def _decode_op_args(spec: dict[str, Any], inp: dict[str, Any], kw: dict[str, Any]) -> tuple:
+    return (ops.spec_json(spec), inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], kw["state_pool"],
+            kw["state_indices"], kw.get("scale"), inp.get("A_log"), inp.get("dt_bias"),
+            kw.get("num_accepted_tokens"), kw.get("has_initial_state"), kw.get("update_state", True),
+            kw.get("cu_seqlens"), kw.get("out"))
+
+
+def _cloned(kw: dict[str, Any]) -> dict[str, Any]:
+    return {name: (t.clone() if name in ("state_pool", "out") else t) for name, t in kw.items()}
+
+
+DECODE_CASES = ["plain", "verify", "varlen_out", "no_update_vk"]
+
+
+def _pre_empty(n: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised q (also k and v), g and beta of PRE: n requests of s tokens, 2 heads."""
+    return torch.empty(n, s, 2, 64, dtype=torch.bfloat16), torch.empty(n, s, 2, 64), torch.empty(n, s, 2)
+
+
+def test_decode_schema_declares_its_writes() -> None:
+    schema = torch.ops.kdagen.decode.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"state_pool", "out"}
+    assert [str(r.type) for r in schema.returns] == ["Tensor"]
+    assert ops.DECODE_OP_NAME == "kdagen::decode" and "kda_decode" in ops.__all__
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_decode_fake_shapes(layout: str) -> None:
+    spec = {**LB_VK, "state_layout": layout}
+    sj = ops.spec_json(spec)
+    inner = (4, 64, 128) if layout == "kv" else (4, 128, 64)
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 2, 64, dtype=torch.bfloat16)
+        v = torch.empty(3, 2, 4, 128, dtype=torch.bfloat16)
+        g, beta = torch.empty(3, 2, 4, 64), torch.empty(3, 2, 4, dtype=torch.bfloat16)
+        pool, idx = torch.empty(16, *inner), torch.empty(3, 2, dtype=torch.int64)
+        o = torch.ops.kdagen.decode(sj, q, q, v, g, beta, pool, idx)
+        # packed requests: [1, T, ...] with cu_seqlens, on the CPU (its values are not read)
+        qp, vp = q.view(1, 6, 2, 64), v.view(1, 6, 4, 128)
+        cu = torch.empty(4, dtype=torch.int32)
+        o_packed = torch.ops.kdagen.decode(sj, qp, qp, vp, g.view(1, 6, 4, 64), beta.view(1, 6, 4), pool,
+                                           idx[:, 0], cu_seqlens=cu)
+        into = torch.ops.kdagen.decode(sj, q, q, v, g, beta, pool, idx, out=torch.empty(3, 2, 4, 128,
+                                                                                       dtype=torch.bfloat16))
+    assert (tuple(o.shape), o.dtype) == ((3, 2, 4, 128), torch.bfloat16)
+    assert tuple(o_packed.shape) == (1, 6, 4, 128)
+    assert (tuple(into.shape), into.dtype) == ((0,), torch.bfloat16)
+
+
+def test_decode_on_meta_tensors() -> None:
+    sj = ops.spec_json(PRE)
+    with torch.device("meta"):
+        q, g, beta = _pre_empty(5, 1)
+        pool = torch.empty(64, 3, 2, 64, 64)[:, 1]  # an interleaved pool
+        o = torch.ops.kdagen.decode(sj, q, q, q, g, beta, pool, torch.empty(5, dtype=torch.int32))
+    assert (o.device.type, tuple(o.shape), o.dtype) == ("meta", (5, 1, 2, 64), torch.bfloat16)
+
+
+# (argument, a bad value made under FakeTensorMode, the error's message)
+BAD_FAKE_ARGUMENTS = [
+    ("state_pool", lambda: torch.empty(8, 2, 64, 64, dtype=torch.bfloat16),
+     "state_pool: expected dtype torch.float32"),
+    ("state_pool", lambda: torch.empty(8, 2, 64, 32),
+     r"state_pool: expected \[P, HV, K, V\] = \[P, 2, 64, 64\]"),
+    ("state_indices", lambda: torch.empty(2, dtype=torch.int32),
+     r"state_indices: expected \[N\] or \[N, M\]"),
+    ("state_indices", lambda: torch.empty(3), "state_indices: expected dtype torch.int32 or torch.int64"),
+    ("T", lambda: 9, "at most 8 tokens a request"),
+    ("out", lambda: torch.empty(3, 1, 2, 64), r"out: expected a torch.bfloat16 tensor \[B, T, HV, V\]"),
+    ("scale", lambda: -1.0, "scale: expected a finite real number > 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "message"), BAD_FAKE_ARGUMENTS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_FAKE_ARGUMENTS)])
+def test_decode_fake_refuses_bad_arguments(name: str, make: Any, message: str) -> None:
+    """The fake implementation runs the decode checks, so a bad call fails while tracing, as in eager."""
+    with FakeTensorMode():
+        args: dict[str, Any] = {"T": 1, "state_pool": torch.empty(8, 2, 64, 64), "scale": None, "out": None,
+                                "state_indices": torch.zeros(3, dtype=torch.int32)}
+        args[name] = make()
+        q, g, beta = _pre_empty(3, args["T"])
+        with pytest.raises(kdagen.InputError, match=message):
+            torch.ops.kdagen.decode(ops.spec_json(PRE), q, q, q, g, beta, args["state_pool"],
+                                    args["state_indices"], args["scale"], out=args["out"])
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_opcheck(kernels: dict[str, FakeKernel], case: str) -> None:
+    spec, inp, kw = _decode_case(case)
+    torch.library.opcheck(torch.ops.kdagen.decode, _decode_op_args(spec, inp, kw))
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("form", ["kernel", "spec", "json"])
+def test_kda_decode_matches_kernel_decode(kernels: dict[str, FakeKernel], case: str, form: str) -> None:
+    spec, inp, kw = _decode_case(case)
+    fake = FakeKernel(KernelSpec(**spec))
+    want_kw = _cloned(kw)
+    want = fake.decode(**inp, **want_kw)
+    before = kw["state_pool"].clone()
+    handle = {"kernel": fake, "spec": KernelSpec(**spec), "json": ops.spec_json(spec)}[form]
+    got = ops.kda_decode(handle, **inp, **kw)
+    assert torch.equal(got, want) and torch.equal(kw["state_pool"], want_kw["state_pool"])
+    if "out" in kw:
+        assert got is kw["out"]
+    if kw.get("update_state", True):
+        assert not torch.equal(kw["state_pool"], before)
+    else:
+        assert torch.equal(kw["state_pool"], before)
+
+
+def test_decode_bad_arguments_are_refused_before_any_launch(kernels: dict[str, FakeKernel]) -> None:
+    spec, inp, kw = _decode_case("verify")
+    before = kw["state_pool"].clone()
+    bad = [
+        ({"state_pool": kw["state_pool"].mT.contiguous().mT}, "state_pool: expected each slot compact"),
+        ({"num_accepted_tokens": torch.ones(2, dtype=torch.int32)},
+         r"num_accepted_tokens: expected a tensor \[N\]"),
+        ({"has_initial_state": torch.ones(3, dtype=torch.int32)},
+         "has_initial_state: expected a bool tensor"),
+        ({"scale": "0.5"}, "scale: expected a finite real number > 0 or None, got str"),
+    ]
+    for change, message in bad:
+        with pytest.raises(kdagen.InputError, match=message):
+            ops.kda_decode(spec, **inp, **{**kw, **change})
+    assert all(k.decodes == 0 for k in kernels.values())
+    assert torch.equal(kw["state_pool"], before)
+
+
+def test_decode_requires_grad_gives_the_runtime_error(kernels: dict[str, FakeKernel]) -> None:
+    spec, inp, kw = _decode_case("plain")
+    before = kw["state_pool"].clone()
+    inp["q"] = inp["q"].clone().requires_grad_()
+    with pytest.raises(kdagen.InputError, match="q: requires grad, but the kernel is forward-only"):
+        ops.kda_decode(spec, **inp, **kw)
+    assert torch.equal(kw["state_pool"], before)
+    # The op called directly runs (a mutating op takes no autograd formula); a backward through o is torch's
+    # error for an op with no formula, so no gradient is made up.
+    o = torch.ops.kdagen.decode(*_decode_op_args(spec, inp, kw))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        o.float().sum().backward()
+    with torch.no_grad():
+        o = ops.kda_decode(spec, **inp, **kw)
+    assert not o.requires_grad
+
+
+class _DecodeLayer(torch.nn.Module):
+    """A layer's decode step between torch ops, as a model would call it."""
+
+    def __init__(self, kernel: Any) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, kw):
+        o = ops.kda_decode(self.kernel, q * 2, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **kw)
+        return o.float().square().sum(dim=-1), kw["state_pool"].sum()  # the pool as the op left it
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_compile_fullgraph(kernels: dict[str, FakeKernel], case: str) -> None:
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    spec, inp, kw = _decode_case(case)
+    fake = FakeKernel(KernelSpec(**spec))
+    layer = _DecodeLayer(fake)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp.get("A_log"), inp.get("dt_bias"))
+    want_kw = _cloned(kw)
+    want = layer(*args, want_kw)
+    backend = AotEagerAndRecordGraphs()
+    got = torch.compile(layer, fullgraph=True, backend=backend)(*args, kw)
+    for w, g_ in zip(want, got):
+        assert torch.equal(w, g_)
+    assert torch.equal(kw["state_pool"], want_kw["state_pool"])
+    if "out" in kw:
+        assert torch.equal(kw["out"], want_kw["out"])
+    # Dynamo's graph calls the op once; the functionalized graph writes the pool back into the input.
+    (dynamo_graph,) = backend.graphs
+    assert str(dynamo_graph.code).count("torch.ops.kdagen.decode") == 1
+    (fw,) = backend.fw_graphs
+    assert "auto_functionalized" in str(fw.code) and "copy_" in str(fw.code)
+
+
+def test_decode_compile_traces_fake_and_meta_inputs() -> None:
+    """Tracing needs no kernel: shapes flow from the fake implementation (no `get_kernel` fixture here)."""
+    sj = ops.spec_json(PRE)
+
+    def step(q, g, beta, pool, idx):
+        o = ops.kda_decode(sj, q, q, q, g, beta, state_pool=pool, state_indices=idx)
+        return o.sum(dim=-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.device("meta"):
+        q, g, beta = _pre_empty(4, 2)
+        out = compiled(q, g, beta, torch.empty(9, 2, 64, 64), torch.empty(4, 2, dtype=torch.int64))
+    assert (out.device.type, tuple(out.shape), out.dtype) == ("meta", (4, 2, 2), torch.bfloat16)
+    # make_fx over fake tensors: the op is one node of the graph, its o shaped by the fake implementation
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, g, beta = _pre_empty(4, 1)
+    graph = make_fx(step, tracing_mode="fake")(q, g, beta, torch.empty(9, 2, 64, 64),
+                                               torch.empty(4, dtype=torch.int64))
+    (node,) = [n for n in graph.graph.nodes if n.target is torch.ops.kdagen.decode.default]
+    assert tuple(node.meta["val"].shape) == (4, 1, 2, 64)
+
+
+def test_decode_compile_refuses_bad_arguments_while_tracing(kernels: dict[str, FakeKernel]) -> None:
+    spec, inp, kw = _decode_case("plain")
+    layer = _DecodeLayer(ops.spec_json(spec))
+    kw["state_pool"] = kw["state_pool"].double()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    # Dynamo reports the fake implementation's error in its own (TorchRuntimeError), naming it.
+    with pytest.raises(Exception, match=r"InputError\(.state_pool: expected dtype torch.float32"):
+        compiled(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], None, None, kw)
+    assert not kernels  # no kernel was looked up, nothing launched
