@@ -27,7 +27,7 @@ class ArchInfo:
     gpus: str  # the GPUs of this target, for tables and messages
     families: tuple[str, ...]  # template families that can target it, preferred first
     has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
-    has_bulk_copy: bool  # cp.async.bulk: one thread streams a contiguous block between global and shared memory
+    has_bulk_copy: bool  # cp.async.bulk: one thread streams a contiguous block between global and shared
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
     runs_here: bool  # False: compiled and inspected here, never run (this project has no such GPU)
     # Targets whose GPUs offer every feature this target's plans use, so that those plans, compiled for one of

@@ -18,11 +18,15 @@ How FLA's arguments become a `KernelSpec`:
 | ``safe_gate`` | ``safe_gate`` |
 | ``use_qk_l2norm_in_kernel`` | ``l2norm_qk`` |
 | ``state_v_first`` (old name ``transpose_state_layout``) | ``state_layout`` ``vk`` (else ``kv``) |
+| ``use_beta_sigmoid_in_kernel`` | ``beta: logit`` (beta holds logits; sigmoid(beta) in the kernel) |
+| ``use_beta_sigmoid_in_kernel`` and ``allow_neg_eigval`` | ``beta: logit_x2`` (2 sigmoid(beta)) |
+| neither | ``beta: prob`` |
 
-As in FLA, ``A_log``/``dt_bias`` are read only with ``use_gate_in_kernel=True`` and ``lower_bound`` only
-with the in-kernel gate or ``safe_gate``. Whatever kdagen does not build (another head dim, an fp32 q,
-beta sigmoid in the kernel, a backward option, context parallelism, an unknown keyword) raises a
-`kdagen.InputError` that names the keyword and what is supported: never a silent fallback.
+As in FLA, ``A_log``/``dt_bias`` are read only with ``use_gate_in_kernel=True``, ``lower_bound`` only
+with the in-kernel gate or ``safe_gate``, and ``allow_neg_eigval`` only with ``use_beta_sigmoid_in_kernel``
+(FLA's rule: alone it leaves beta as given). Whatever kdagen does not build (another head dim, an fp32 q, a
+backward option, context parallelism, an unknown keyword) raises a `kdagen.InputError` that names the keyword
+and what is supported: never a silent fallback.
 
 `fused_recurrent_kda` (the token recurrence over any length: the forward) and `fused_recurrent_kda_fwd`
 (the serving step on a state pool: `KDAKernel.decode`) keep FLA's signatures.
@@ -130,6 +134,14 @@ def _spec(fields: tuple[tuple[str, Any], ...]) -> KernelSpec:
     return KernelSpec(**dict(fields))
 
 
+def _beta_mode(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> str:
+    """The spec's beta from FLA's two flags: allow_neg_eigval doubles the in-kernel sigmoid and, as in FLA,
+    does nothing without it."""
+    if not use_beta_sigmoid_in_kernel:
+        return "prob"
+    return "logit_x2" if allow_neg_eigval else "logit"
+
+
 def choose_spec(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -141,6 +153,8 @@ def choose_spec(
     safe_gate: bool = False,
     lower_bound: float | None = None,
     state_v_first: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     A_log: Any = None,
     arch: str | None = None,
 ) -> KernelSpec:
@@ -162,6 +176,7 @@ def choose_spec(
         "dtype": dtype,
         "g_dtype": _dtype_name("g", g, ("fp32", "bf16")),
         "beta_dtype": _dtype_name("beta", beta, ("fp32", "bf16")),
+        "beta": _beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval),
         "state_layout": "vk" if state_v_first else "kv",
     }
     return _spec(tuple(sorted(fields.items())))
@@ -170,13 +185,6 @@ def choose_spec(
 def _refuse_set(keyword: str, value: Any, default: Any, why: str) -> None:
     if value is not default and value != default:
         raise _refuse(keyword, f"{value!r} is not supported by kdagen ({why}); pass {default!r}")
-
-
-def _refuse_beta_modes(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> None:
-    _refuse_set("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, False,
-                "beta must already be sigmoid(logits); apply it before the call")
-    _refuse_set("allow_neg_eigval", allow_neg_eigval, False,
-                "beta in [0, 2) needs the in-kernel beta sigmoid")
 
 
 def _state_v_first(state_v_first: bool, kwargs: dict[str, Any]) -> bool:
@@ -234,10 +242,10 @@ def chunk_kda(
     ``transpose_state_layout`` come through ``**kwargs`` as there. The spec is `choose_spec`'s. Accepted and
     not needed: ``cu_seqlens_cpu`` (kdagen never reads the offsets on the host), ``use_graph`` (every call is
     capturable; rows past ``cu_seqlens[-1]`` get o = 0) and ``chunk_size`` 32 or 64 (the kernels step 16
-    tokens; the recurrence is the same). Refused with an `InputError` naming the keyword:
-    ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, ``disable_recompute``,
-    ``return_intermediate_states``, ``cp_context`` and any other keyword, and inputs that require grad (the
-    kernels are forward-only).
+    tokens; the recurrence is the same). ``use_beta_sigmoid_in_kernel`` and ``allow_neg_eigval`` pick the
+    spec's ``beta`` (beta logits, the sigmoid and its doubling in the kernel). Refused with an `InputError`
+    naming the keyword: ``disable_recompute``, ``return_intermediate_states``, ``cp_context`` and any other
+    keyword, and inputs that require grad (the kernels are forward-only).
     """
     v_first = _state_v_first(state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
@@ -247,7 +255,6 @@ def chunk_kda(
                       "keywords plus A_log, dt_bias, chunk_size, transpose_state_layout)")
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise _refuse("chunk_size", f"expected 32 or 64 (as FLA), got {chunk_size!r}")
-    _refuse_beta_modes(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     _refuse_set("disable_recompute", disable_recompute, False,
                 "a backward option; the kernels are forward-only")
     _refuse_set("return_intermediate_states", return_intermediate_states, False,
@@ -262,7 +269,8 @@ def chunk_kda(
 
     spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                        use_gate_in_kernel=use_gate_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
-                       state_v_first=v_first, A_log=A_log)
+                       state_v_first=v_first, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, A_log=A_log)
     if not use_gate_in_kernel:
         A_log, dt_bias = None, None  # FLA reads them only with the in-kernel gate
     kernel = kdagen.get_kernel(spec)
@@ -275,17 +283,18 @@ def _recurrent_kernel(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tens
                       use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
                       lower_bound: float | None) -> tuple[Any, Any, Any]:
     """(kernel, A_log, dt_bias) of FLA's recurrent entry point `name`: its refusals, `choose_spec` (no safe
-    gate: FLA's recurrent kernels take no such promise), and the gate parameters FLA reads (only with the
-    in-kernel gate). `kwargs` holds A_log, dt_bias and what else the caller passed."""
+    gate: FLA's recurrent kernels take no such promise; the beta flags as in `chunk_kda`), and the gate
+    parameters FLA reads (only with the in-kernel gate). `kwargs` holds A_log, dt_bias and what else the
+    caller passed."""
     v_first = _state_v_first(state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     if kwargs:
         raise _refuse(", ".join(sorted(kwargs)), f"unknown keyword (kdagen.fla.{name} takes FLA 0.6.0's "
                       "keywords)")
-    _refuse_beta_modes(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     spec = choose_spec(q, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                        use_gate_in_kernel=use_gate_in_kernel, safe_gate=False, lower_bound=lower_bound,
-                       state_v_first=v_first, A_log=A_log)
+                       state_v_first=v_first, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, A_log=A_log)
     if not use_gate_in_kernel:
         A_log, dt_bias = None, None
     return kdagen.get_kernel(spec), A_log, dt_bias
@@ -324,8 +333,8 @@ def fused_recurrent_kda_fwd(
     (``inplace_final_state=True``, the only form built with indices). Without indices ``initial_state`` is
     [N, HV, K, V] (V-first with ``state_v_first``): ``inplace_final_state`` writes the final states back into
     it (the decode kernel for up to `kdagen.decode.MAX_TOKENS` tokens a sequence, the forward otherwise),
-    else they come back as a new tensor when ``output_final_state``. Refused with an `InputError` naming the
-    keyword: ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``, indices without
+    else they come back as a new tensor when ``output_final_state``. The beta flags pick the spec's ``beta``
+    as in `chunk_kda`. Refused with an `InputError` naming the keyword: indices without
     ``inplace_final_state``, unknown keywords.
     """
     from kdagen.decode import MAX_TOKENS
@@ -392,7 +401,8 @@ def fused_recurrent_kda(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FLA's token-recurrent KDA (fla-core 0.6.0 signature) on a kdagen kernel: ``(o, final_state or
-    None)``, the forward's result (the same recurrence; `chunk_kda`'s spec rules, without the safe gate).
+    None)``, the forward's result (the same recurrence; `chunk_kda`'s spec rules, the beta flags
+    included, without the safe gate).
     ``initial_state`` and the final state are [N, HV, K, V], V-first with ``state_v_first``."""
     kernel, A_log, dt_bias = _recurrent_kernel(
         "fused_recurrent_kda", q, v, g, beta, {**kwargs, "A_log": A_log, "dt_bias": dt_bias},

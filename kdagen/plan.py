@@ -285,6 +285,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
+            # How beta is given (prob, logit, logit_x2): `kernels.gate.beta_value` where beta is loaded.
+            "beta": spec.beta,
             "heads_per_cta": heads,
             # The persistent grid: CTAs per SM when prepare runs alone (shared memory decides) ...
             "ctas_per_sm": ctas,
@@ -410,6 +412,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "l2norm_qk": spec.l2norm_qk,
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
+            "beta": spec.beta,
             "state_layout": spec.state_layout,
             "block_v": spec.head_dim_v if decode_bulk else min(DECODE_BLOCK_V, spec.head_dim_v),
             "bulk": decode_bulk,

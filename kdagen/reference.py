@@ -11,9 +11,10 @@ templates. Two formulations are provided so that they can check each other:
   that autograd differentiates it; the oracle of the backward kernels (gradients of q, k, v, g, beta, A_log,
   dt_bias and the initial state, with the final state's gradient taken into account).
 
-Shapes follow FLA ``chunk_kda``: q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]``; beta ``[B,T,HV]``;
-value head ``hv`` reads q/k head ``hv // (HV // H)``; with ``cu_seqlens`` the batch is packed (B == 1) and
-every sequence has its own state; states are ``[N,HV,K,V]`` ("kv") or ``[N,HV,V,K]`` ("vk").
+Shapes follow FLA ``chunk_kda``: q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]``; beta ``[B,T,HV]``
+(a probability, or logits as ``beta_mode`` says: :func:`kda_beta`); value head ``hv`` reads q/k head
+``hv // (HV // H)``; with ``cu_seqlens`` the batch is packed (B == 1) and every sequence has its own state;
+states are ``[N,HV,K,V]`` ("kv") or ``[N,HV,V,K]`` ("vk").
 
 Also here: the relative-RMSE metric of kda-math §4.1, input generators in the FLA test style (§4.2) and the
 benchmark length generators (§4.4).
@@ -31,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "BetaMode",
     "GateMode",
     "StateLayout",
     "assert_close",
     "cu_seqlens_from_lengths",
+    "kda_beta",
     "kda_chunked_reference",
     "kda_gate",
     "kda_recurrent_reference",
@@ -48,9 +51,11 @@ __all__ = [
 
 Tensor = torch.Tensor
 GateMode = Literal["precomputed", "softplus", "lower_bound"]
+BetaMode = Literal["prob", "logit", "logit_x2"]
 StateLayout = Literal["kv", "vk"]
 
 GATE_MODES: tuple[str, ...] = ("precomputed", "softplus", "lower_bound")
+BETA_MODES: tuple[str, ...] = ("prob", "logit", "logit_x2")
 STATE_LAYOUTS: tuple[str, ...] = ("kv", "vk")
 HARD_RESET_G = -1000.0  # the "hard reset" log-decay of the FLA varlen tests: exp(-1000) == 0 in fp32/fp64
 
@@ -147,6 +152,17 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return y.to(x.dtype)
 
 
+def kda_beta(beta: Tensor, mode: BetaMode = "prob") -> Tensor:
+    """beta as the recurrence uses it, from beta as given (kda-math §1.1; the spec's ``beta`` field):
+    ``"prob"``: as is; ``"logit"``: ``sigmoid(beta)``; ``"logit_x2"``: ``2 * sigmoid(beta)`` (FLA's
+    ``allow_neg_eigval``). Differentiable; the dtype of ``beta``."""
+    if mode not in BETA_MODES:
+        raise ValueError(f"beta_mode: expected one of {BETA_MODES}, got {mode!r}")
+    if mode == "prob":
+        return beta
+    return torch.sigmoid(beta) * (2.0 if mode == "logit_x2" else 1.0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Shared preparation (validation, gate, l2norm, GVA, sequence split)
 # ----------------------------------------------------------------------------------------------------------
@@ -158,7 +174,7 @@ class _Prepared:
     k: Tensor  # [B,T,HV,K]
     v: Tensor  # [B,T,HV,V]
     g: Tensor  # [B,T,HV,K] natural-log decay
-    beta: Tensor  # [B,T,HV]
+    beta: Tensor  # [B,T,HV], after `kda_beta`
     h0: Tensor | None  # [N,HV,K,V] ("kv" layout) or None
     seqs: tuple[tuple[int, int, int], ...]  # (batch index, bos, eos) per sequence
     out_shape: tuple[int, int, int, int]  # [B,T,HV,V]
@@ -196,6 +212,7 @@ def _prepare(
     l2norm_qk: bool,
     state_layout: StateLayout,
     dtype: torch.dtype,
+    beta_mode: BetaMode,
 ) -> _Prepared:
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q, k: expected equal shapes [B,T,H,K], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -235,7 +252,8 @@ def _prepare(
     qd = (qd * s).repeat_interleave(group, dim=2)
     kd = kd.repeat_interleave(group, dim=2)
     return _Prepared(
-        q=qd, k=kd, v=v.to(dtype), g=gd, beta=beta.to(dtype), h0=h0, seqs=seqs, out_shape=(B, T, HV, V)
+        q=qd, k=kd, v=v.to(dtype), g=gd, beta=kda_beta(beta.to(dtype), beta_mode), h0=h0, seqs=seqs,
+        out_shape=(B, T, HV, V),
     )
 
 
@@ -275,16 +293,18 @@ def kda_recurrent_reference(
     l2norm_qk: bool = False,
     state_layout: StateLayout = "kv",
     dtype: torch.dtype = torch.float64,
+    beta_mode: BetaMode = "prob",
 ) -> tuple[Tensor, Tensor | None]:
     """Token-by-token KDA forward (kda-math §2.0), computed in ``dtype``, on the device of the inputs.
 
     Per value head and sequence: ``S <- Diag(exp(g_t)) S``; ``S <- S + beta_t k_t (v_t - k_t^T S)^T``;
-    ``o_t = S^T (scale q_t)``. Returns ``(o [B,T,HV,V] fp64, final_state fp64 in state_layout | None)``.
+    ``o_t = S^T (scale q_t)``, beta_t from ``beta`` by ``beta_mode`` (:func:`kda_beta`). Returns
+    ``(o [B,T,HV,V] fp64, final_state fp64 in state_layout | None)``.
     ``initial_state`` is ``[N,HV,K,V]`` ("kv") or ``[N,HV,V,K]`` ("vk"), N = B or len(cu_seqlens)-1.
     """
     p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
-                 state_layout=state_layout, dtype=dtype)
+                 state_layout=state_layout, dtype=dtype, beta_mode=beta_mode)
     B, T, HV, V = p.out_shape
     K = p.k.shape[-1]
     N = len(p.seqs)
@@ -366,14 +386,16 @@ def kda_reference_autograd(
     lower_bound: float | None = None,
     l2norm_qk: bool = False,
     state_layout: StateLayout = "kv",
+    beta_mode: BetaMode = "prob",
 ) -> tuple[Tensor, Tensor | None]:
     """Differentiable token-by-token KDA forward: the oracle of the backward kernels' GPU tests.
 
     Same arguments and forward semantics as :func:`kda_recurrent_reference` (gate modes, l2norm, scale, GVA,
     varlen, both state layouts), but every step builds a new state tensor instead of updating one in place,
     so ``torch.autograd`` differentiates through it. Gradients reach q, k, v, g (the raw gate for the
-    in-kernel gates), beta, A_log, dt_bias and initial_state; a loss that uses the returned final state
-    backpropagates through it too (the ``dht`` term of kda-math §8).
+    in-kernel gates), beta (the logits, through the sigmoid, with the logit modes), A_log, dt_bias and
+    initial_state; a loss that uses the returned final state backpropagates through it too (the ``dht`` term
+    of kda-math §8).
 
     Computed in the promoted dtype of q, k, v, g, beta (at least fp32; fp64 for the gradcheck and the GPU
     tests' oracle). Returns ``(o [B,T,HV,V], final_state in state_layout | None)``, both in that dtype.
@@ -383,7 +405,7 @@ def kda_reference_autograd(
     # backward sums dq/dk over each group of value heads, kda-math §8 step 7) are all autograd ops.
     p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
-                 state_layout=state_layout, dtype=dtype)
+                 state_layout=state_layout, dtype=dtype, beta_mode=beta_mode)
     B, T, HV, V = p.out_shape
     K = p.k.shape[-1]
     N = len(p.seqs)
@@ -487,6 +509,7 @@ def kda_chunked_reference(
     state_layout: StateLayout = "kv",
     dtype: torch.dtype = torch.float64,
     chunk_size: int = 64,
+    beta_mode: BetaMode = "prob",
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked KDA forward (kda-math §2.3-§2.5); arguments and results as :func:`kda_recurrent_reference`.
 
@@ -500,7 +523,7 @@ def kda_chunked_reference(
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
     p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
-                 state_layout=state_layout, dtype=dtype)
+                 state_layout=state_layout, dtype=dtype, beta_mode=beta_mode)
     B, T, HV, V = p.out_shape
     K = p.k.shape[-1]
     o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=p.v.device)
@@ -581,6 +604,7 @@ def make_inputs(
     beta_dtype: torch.dtype | str,
     g_dtype: torch.dtype | str,
     gate: GateMode,
+    beta_mode: BetaMode = "prob",
     safe_gate: bool,
     lower_bound: float | None,
     seed: int,
@@ -607,11 +631,15 @@ def make_inputs(
     - in-kernel gates: ``g`` is the raw input, randn; masked elements become -1000 (gate ~ 0, no decay), or
       +1000 with ``hard_reset`` (softplus: decay ~ -1000 exp(A_log); lower_bound: decay = lower_bound).
       ``A_log = randn(HV).clamp(-2, 2)`` (exp(A_log) in [0.14, 7.4]), ``dt_bias = randn(HV*K)``, both fp32.
-    - beta = sigmoid(randn) in ``beta_dtype``; initial_state = randn fp32, ``[N,HV,K,V]`` or ``[N,HV,V,K]``.
+    - beta = sigmoid(randn) in ``beta_dtype``; with a logit ``beta_mode`` the logits randn themselves (the
+      same draws, so ``kda_beta(beta, "logit")`` is the prob mode's beta).
+    - initial_state = randn fp32, ``[N,HV,K,V]`` or ``[N,HV,V,K]``.
     - cu_seqlens (list or tensor) requires B == 1 and T == cu_seqlens[-1]; returned as int32 on ``device``.
     """
     if gate not in GATE_MODES:
         raise ValueError(f"gate: expected one of {GATE_MODES}, got {gate!r}")
+    if beta_mode not in BETA_MODES:
+        raise ValueError(f"beta_mode: expected one of {BETA_MODES}, got {beta_mode!r}")
     if HV % H != 0:
         raise ValueError(f"HV={HV} must be a multiple of H={H}")
     if state_layout not in STATE_LAYOUTS:
@@ -655,7 +683,9 @@ def make_inputs(
             g = g.masked_fill(mask_like(g), 1000.0 if hard_reset else -1000.0)
         A_log = randn(HV).clamp(-2.0, 2.0)
         dt_bias = randn(HV * K)
-    beta = torch.sigmoid(randn(B, T, HV))
+    beta = randn(B, T, HV)
+    if beta_mode == "prob":
+        beta = torch.sigmoid(beta)
     h0 = None
     if with_initial_state:
         h0 = randn(N, HV, K, V) if state_layout == "kv" else randn(N, HV, V, K)

@@ -1,7 +1,8 @@
 """`KDAKernel`: validates a call, allocates outputs and workspaces, and launches the planned stages.
 
 Contract (what is validated, what is the caller's duty):
-- q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; dtypes as the spec says.
+- q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; dtypes as the spec says. beta
+  is a probability or logits as the spec's `beta` says; its values are not checked (that would synchronise).
   Non-contiguous or misaligned inputs are copied first (as FLA's input guard does); outputs never alias
   inputs.
 - cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,

@@ -52,12 +52,17 @@ GvaRatio = Literal[1, 2, 4, 8]
 Gate = Literal["precomputed", "softplus", "lower_bound"]
 IODtype = Literal["bf16", "fp16"]
 AuxDtype = Literal["fp32", "bf16"]
+BetaMode = Literal["prob", "logit", "logit_x2"]
 StateDtype = Literal["fp32"]
 StateLayout = Literal["kv", "vk"]
 
 # kda-math §2.3: with a first-row anchor over a 16-token tile the diagonal factor reaches 2^(15*|lb|*log2 e);
 # lb = -5 gives 2^108, still below the fp32 exponent limit 2^127; lb ~ -5.9 would overflow.
 SAFE_LOWER_BOUND_MIN = -5.0
+
+# Options left out of the canonical JSON at these values (`KernelSpec.canonical_json`).
+_IMPLIED: dict[str, Any] = {"beta": "prob"}
+_NOT_IMPLIED = object()
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _TOP_KEYS = ("description", "defaults", "variants")
@@ -90,6 +95,7 @@ class KernelSpec(BaseModel):
     dtype: IODtype = "bf16"
     g_dtype: AuxDtype = "fp32"
     beta_dtype: AuxDtype = "fp32"
+    beta: BetaMode = "prob"  # beta as given, sigmoid(beta) or 2 sigmoid(beta) (kda-math §1.1)
     state_dtype: StateDtype = "fp32"
     state_layout: StateLayout = "kv"
 
@@ -168,8 +174,11 @@ class KernelSpec(BaseModel):
     # -- identity -----------------------------------------------------------------------------------------
 
     def canonical_json(self) -> str:
-        """Every field, sorted keys, no whitespace: the identity of the variant."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        """Every field, sorted keys, no whitespace: the identity of the variant. A field of `_IMPLIED` at its
+        value there is left out: such an option's default is the kernel without it, so the variants that do
+        not use it keep their digest, slug and generated path."""
+        data = {k: v for k, v in self.model_dump(mode="json").items() if _IMPLIED.get(k, _NOT_IMPLIED) != v}
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:
         """sha256 hex of `canonical_json`."""
@@ -195,6 +204,8 @@ class KernelSpec(BaseModel):
         if self.l2norm_qk:
             parts.append("l2")
         parts += [self.dtype, "g" + _short(self.g_dtype), "b" + _short(self.beta_dtype)]
+        if self.beta != "prob":
+            parts.append("beta_" + self.beta)
         if self.state_dtype != "fp32":
             parts.append("s" + _short(self.state_dtype))
         parts += [self.state_layout, self.digest()[:12]]

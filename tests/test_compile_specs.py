@@ -281,6 +281,27 @@ def test_ptx_targets_the_spec_arch(tmp_path: Path, file_name: str, arch: str):
             assert any(m.startswith("mma.sync.aligned.m16n8k16.") for m in found), f"{vid}: no m16n8k16"
 
 
+def test_beta_logit_variant_has_the_sigmoid_where_beta_is_loaded(tmp_path: Path):
+    """The sm_90a variant of specs/sm90.yaml with ``beta: logit``: its prepare and decode stages compile for
+    sm_90a, and their PTX has the sigmoid of the loaded beta (one more ex2 and a rounded reciprocal of
+    1 + e^-x) that the same spec with ``beta: prob`` lacks."""
+    vid, spec = next((vid, s) for vid, _, s in VARIANTS if vid.startswith("sm90.yaml:") and s.beta == "logit")
+    assert spec.arch == "sm_90a"
+    for stage in ("prepare", "decode"):
+        counts = {}
+        for s in (spec, spec.replace(beta="prob")):
+            rendered = kdagen.build.describe(s)[1]
+            src = tmp_path / s.slug()
+            src.mkdir(exist_ok=True)
+            (src / f"{stage}.py").write_text(rendered[f"{stage}.py"])
+            ptx = _ptx_of(src, stage, "sm_90a", tmp_path / f"dump-{s.beta}-{stage}")
+            assert re.findall(r"^\.target\s+(\S+)", ptx, flags=re.M) == ["sm_90a"]
+            counts[s.beta] = (ptx.count("rcp.rn.f32"), ptx.count("ex2.approx"))
+        print(f"{vid} {stage}: (rcp.rn, ex2) {counts}")
+        (rcp, ex2), (rcp0, ex20) = counts["logit"], counts["prob"]
+        assert rcp > rcp0 and ex2 > ex20, f"{vid} {stage}: no sigmoid of beta in the PTX ({counts})"
+
+
 @pytest.mark.parametrize("family", ["mma_sync", "wgmma"])
 def test_recurrence_registers_match_the_plan(tmp_path: Path, family: str):
     """The planner sizes prepare beside the recurrence from the recurrence CTA's registers before anything is

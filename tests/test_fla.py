@@ -38,7 +38,8 @@ class FakeKernel:
         o, ht = kda_recurrent_reference(
             q, k, v, g, beta, scale=check_scale(scale, s.head_dim_k), initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, gate=s.gate, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout)
+            dt_bias=dt_bias, lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout,
+            beta_mode=s.beta)
         return o.to(q.dtype), (None if ht is None else ht.float())
 
     def decode(self, q, k, v, g, beta, **kw):
@@ -82,7 +83,7 @@ A_LOG = torch.zeros(2)
 CASES: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = [
     # (id, tensor options, FLA flags, expected spec fields)
     ("precomputed", {}, {}, dict(gate="precomputed", safe_gate=False, lower_bound=None, l2norm_qk=False,
-                                 state_layout="kv")),
+                                 state_layout="kv", beta="prob")),
     ("precomputed-lb-ignored", {}, dict(lower_bound=-3.0), dict(gate="precomputed", lower_bound=None)),
     ("precomputed-safe", {}, dict(safe_gate=True),
      dict(gate="precomputed", safe_gate=True, lower_bound=-5.0)),
@@ -100,6 +101,12 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = [
      dict(head_dim_k=64, head_dim_v=128, gva_ratio=4, dtype="fp16", g_dtype="bf16", beta_dtype="bf16")),
     ("k128", dict(K=128, V=128), {}, dict(head_dim_k=128, head_dim_v=128, gva_ratio=1, dtype="bf16",
                                           g_dtype="fp32", beta_dtype="fp32", arch="sm_90a")),
+    ("beta-sigmoid", {}, dict(use_beta_sigmoid_in_kernel=True), dict(beta="logit")),
+    ("beta-sigmoid-neg-eigval", dict(beta_dtype=BF16), dict(use_beta_sigmoid_in_kernel=True,
+                                                            allow_neg_eigval=True),
+     dict(beta="logit_x2", beta_dtype="bf16")),
+    # FLA's rule: allow_neg_eigval takes effect only with the in-kernel sigmoid; alone, beta is as given.
+    ("neg-eigval-alone", {}, dict(allow_neg_eigval=True), dict(beta="prob")),
 ]
 
 
@@ -150,9 +157,6 @@ ERRORS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
      r"lower_bound: .*needs a bound < 0"),
     ("precomputed-safe-bad-bound", {}, dict(safe_gate=True, lower_bound=-9.0),
      r"lower_bound: safe_gate=True"),
-    ("beta-sigmoid", {}, dict(use_beta_sigmoid_in_kernel=True), r"use_beta_sigmoid_in_kernel: True is not "
-                                                                r"supported by kdagen"),
-    ("neg-eigval", {}, dict(allow_neg_eigval=True), r"allow_neg_eigval: True is not supported"),
     ("recompute", {}, dict(disable_recompute=True), r"disable_recompute: .*forward-only"),
     ("intermediate", {}, dict(return_intermediate_states=True), r"return_intermediate_states: True"),
     ("cp", {}, dict(cp_context=object()), r"cp_context: .*context parallelism"),
@@ -206,6 +210,38 @@ def test_call_matches_the_reference(on_h100: list) -> None:
                                             cu_seqlens=cu, gate="lower_bound", A_log=A_log, dt_bias=dt_bias,
                                             lower_bound=-4.0, l2norm_qk=True, state_layout="vk")
     assert torch.equal(o, ref_o.to(BF16)) and torch.equal(ht, ref_ht.float())
+
+
+@pytest.mark.parametrize(("flags", "factor"), [
+    (dict(use_beta_sigmoid_in_kernel=True), 1.0),
+    (dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), 2.0),
+])
+def test_beta_logits_match_the_sigmoid_applied_first(on_h100: list, flags: dict[str, Any],
+                                                     factor: float) -> None:
+    # FLA's meaning of the flags: chunk_kda on logits equals chunk_kda on factor * sigmoid(logits).
+    t = _tensors(T=7)
+    t["beta"] = torch.randn(t["beta"].shape, generator=torch.Generator().manual_seed(4))  # logits
+    h0 = torch.randn(1, 2, 64, 64)
+    o, ht = fla.chunk_kda(**t, initial_state=h0, output_final_state=True, **flags)
+    assert on_h100[-1].beta == ("logit_x2" if factor == 2.0 else "logit")
+    prob = {**t, "beta": factor * torch.sigmoid(t["beta"].double())}
+    ref_o, ref_ht = kda_recurrent_reference(**prob, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, ref_o.to(BF16), rtol=0, atol=0.02)
+    torch.testing.assert_close(ht, ref_ht.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fused_recurrent_kda", "fused_recurrent_kda_fwd"])
+@pytest.mark.parametrize(("flags", "mode"), [
+    ({}, "prob"),
+    (dict(use_beta_sigmoid_in_kernel=True), "logit"),
+    (dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), "logit_x2"),
+    (dict(allow_neg_eigval=True), "prob"),
+])
+def test_recurrent_entry_points_pick_the_beta_mode(on_h100: list, name: str, flags: dict[str, Any],
+                                                   mode: str) -> None:
+    t = _tensors(T=1)
+    getattr(fla, name)(**t, initial_state=torch.zeros(1, 2, 64, 64), **flags)
+    assert on_h100[-1].beta == mode
 
 
 def test_gate_parameters_are_ignored_without_the_in_kernel_gate(on_h100: list) -> None:
@@ -297,7 +333,6 @@ def test_fused_recurrent_kda_fwd_without_indices_decodes_each_sequence_in_place(
 @pytest.mark.parametrize(("kw", "message"), [
     ({"ssm_state_indices": torch.zeros(1, dtype=torch.int64), "inplace_final_state": False},
      "kdagen.fla: inplace_final_state: False with ssm_state_indices"),
-    ({"use_beta_sigmoid_in_kernel": True}, "kdagen.fla: use_beta_sigmoid_in_kernel"),
     ({"num_accepted_tokens": torch.ones(1, dtype=torch.int64)}, "num_accepted_tokens: given without"),
     ({"bogus": 1}, "kdagen.fla: bogus: unknown keyword"),
 ])

@@ -16,6 +16,7 @@ import torch
 from kdagen.reference import (
     assert_close,
     cu_seqlens_from_lengths,
+    kda_beta,
     kda_chunked_reference,
     kda_gate,
     kda_recurrent_reference,
@@ -154,6 +155,72 @@ def test_t1_equals_one_manual_step() -> None:
         torch.testing.assert_close(h_r[0, hv], S1, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(o_r[0, 0, hv], o, rtol=1e-12, atol=1e-12)
     assert rel_rmse(o_r, o_c) < FP64_TOL and rel_rmse(h_r, h_c) < FP64_TOL
+
+
+@pytest.mark.parametrize(("mode", "factor"), [("logit", 1.0), ("logit_x2", 2.0)])
+def test_beta_modes_one_manual_step(mode: str, factor: float) -> None:
+    """T = 1 with beta given as logits: the step of test_t1_equals_one_manual_step with beta = factor /
+    (1 + e^-x) computed by hand, in both formulations."""
+    K, V, HV = 8, 4, 2
+    inp = make_inputs(1, 1, 1, HV, K, V, dtype="fp32", beta_dtype="fp32", g_dtype="fp32", gate="precomputed",
+                      safe_gate=False, lower_bound=None, seed=4, device="cpu", with_initial_state=True,
+                      l2norm_qk=False, beta_mode=mode)
+    kw = dict(scale=0.5, output_final_state=True, beta_mode=mode)
+    o_r, h_r = kda_recurrent_reference(**inp, **kw)
+    o_c, h_c = kda_chunked_reference(**inp, **kw, chunk_size=16)
+    d = torch.float64
+    q, k = inp["q"][0, 0, 0].to(d), inp["k"][0, 0, 0].to(d)
+    for hv in range(HV):
+        x = float(inp["beta"][0, 0, hv])
+        beta = factor / (1.0 + math.exp(-x))
+        alpha = inp["g"][0, 0, hv].to(d).exp()
+        S0 = inp["initial_state"][0, hv].to(d)
+        S1 = (torch.eye(K, dtype=d) - beta * torch.outer(k, k)) @ torch.diag(alpha) @ S0
+        S1 = S1 + beta * torch.outer(k, inp["v"][0, 0, hv].to(d))
+        torch.testing.assert_close(h_r[0, hv], S1, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(o_r[0, 0, hv], S1.T @ (0.5 * q), rtol=1e-12, atol=1e-12)
+    assert rel_rmse(o_r, o_c) < FP64_TOL and rel_rmse(h_r, h_c) < FP64_TOL
+
+
+@pytest.mark.parametrize("fn", [kda_recurrent_reference, kda_chunked_reference], ids=["recurrent", "chunked"])
+def test_beta_modes_equal_the_transform_applied_first(fn) -> None:
+    """Varlen with a length-1 sequence, GVA, bf16 logits: each logit mode equals the prob mode on
+    sigmoid(beta) (times 2 for logit_x2), the transform in fp64 as the oracle's compute dtype."""
+    cu = [0, 1, 17, 40]
+    inp = make_inputs(1, 40, 1, 2, 16, 8, dtype="bf16", beta_dtype="bf16", g_dtype="fp32", gate="softplus",
+                      safe_gate=False, lower_bound=None, seed=12, device="cpu", cu_seqlens=cu,
+                      with_initial_state=True, beta_mode="logit")
+    logits = inp["beta"]
+    assert (logits < 0).any() and (logits > 1).any()  # logits, not probabilities
+    kw = dict(gate="softplus", l2norm_qk=True, output_final_state=True)
+    for mode, factor in (("logit", 1.0), ("logit_x2", 2.0)):
+        o, h = fn(**inp, **kw, beta_mode=mode)
+        by_hand = factor * torch.sigmoid(logits.double())
+        o_p, h_p = fn(**{**inp, "beta": by_hand}, **kw, beta_mode="prob")
+        torch.testing.assert_close(o, o_p, rtol=0, atol=1e-12)
+        torch.testing.assert_close(h, h_p, rtol=0, atol=1e-12)
+    o_2, _ = fn(**inp, **kw, beta_mode="logit_x2")
+    o_1, _ = fn(**inp, **kw, beta_mode="logit")
+    assert rel_rmse(o_1, o_2) > 0.01  # the doubling is not lost
+
+
+def test_kda_beta_and_make_inputs_beta_modes() -> None:
+    x = torch.tensor([-30.0, -1.0, 0.0, 2.0, 30.0], dtype=torch.float64)
+    assert kda_beta(x, "prob") is x
+    torch.testing.assert_close(kda_beta(x, "logit"), 1 / (1 + torch.exp(-x)), rtol=0, atol=1e-15)
+    torch.testing.assert_close(kda_beta(x, "logit_x2"), 2 / (1 + torch.exp(-x)), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="beta_mode: expected one of"):
+        kda_beta(x, "sigmoid")  # type: ignore[arg-type]
+    kw = dict(dtype="fp32", beta_dtype="fp32", g_dtype="fp32", gate="precomputed", safe_gate=False,
+              lower_bound=None, seed=3, device="cpu")
+    prob = make_inputs(1, 64, 1, 2, 16, 8, **kw)
+    logit = make_inputs(1, 64, 1, 2, 16, 8, **kw, beta_mode="logit_x2")
+    assert ((prob["beta"] > 0) & (prob["beta"] < 1)).all()  # probabilities
+    assert (logit["beta"] < 0).any() and (logit["beta"].abs() > 1).any()  # logits
+    torch.testing.assert_close(prob["beta"], torch.sigmoid(logit["beta"]))  # the same draws
+    assert all(torch.equal(prob[n], logit[n]) for n in ("q", "k", "v", "g"))
+    with pytest.raises(ValueError, match="beta_mode"):
+        make_inputs(1, 4, 1, 1, 16, 16, **kw, beta_mode="logits")  # type: ignore[arg-type]
 
 
 def _naive_loop(inp: dict, cu: list[int], G: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

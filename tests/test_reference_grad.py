@@ -50,12 +50,13 @@ def _inputs(
     seed: int = 0,
     mask_p: float = 0.0,
     hard_reset: bool = False,
+    beta_mode: str = "prob",
 ) -> dict[str, Tensor | None]:
     """FLA-style inputs from ``make_inputs``, every floating tensor cast to fp64 (A_log/dt_bias included)."""
     x = make_inputs(B, T, H, HV, K, V, dtype="fp32", beta_dtype="fp32", g_dtype="fp32", gate=gate,
                     safe_gate=False, lower_bound=_lb(gate), seed=seed, device="cpu", mask_p=mask_p,
                     hard_reset=hard_reset, l2norm_qk=l2norm_qk, cu_seqlens=cu, with_initial_state=init,
-                    state_layout=layout)
+                    state_layout=layout, beta_mode=beta_mode)
     return {n: (t.double() if t is not None and t.is_floating_point() else t) for n, t in x.items()}
 
 
@@ -161,6 +162,16 @@ def test_gradcheck_varlen_gva(gate: str, l2norm_qk: bool, layout: str) -> None:
     assert torch.autograd.gradcheck(fn, tuple(leaves.values()), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("beta_mode", ["logit", "logit_x2"])
+def test_gradcheck_beta_logits(beta_mode: str) -> None:
+    # beta given as logits: the gradient reaches them through the (doubled) sigmoid.
+    x = _inputs(B=1, T=5, H=1, HV=2, K=4, V=4, gate="lower_bound", cu=[0, 2, 5], init=True, layout="kv",
+                l2norm_qk=True, seed=19, beta_mode=beta_mode)
+    leaves = _grad_leaves(x, "lower_bound")
+    fn = _as_fn(x, list(leaves), gate="lower_bound", lower_bound=LB, l2norm_qk=True, beta_mode=beta_mode)
+    assert torch.autograd.gradcheck(fn, tuple(leaves.values()), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 def test_gradcheck_fixed_batch_without_initial_state() -> None:
     # Fixed length B = 2, H = HV = 2 (no GVA), zero initial state, default scale.
     x = _inputs(B=2, T=3, H=2, HV=2, K=4, V=4, gate="precomputed", cu=None, init=False, layout="kv",
@@ -229,6 +240,27 @@ def test_lower_bound_gate_chain_rule() -> None:
         assert ga[n].abs().max() > 0, n
         torch.testing.assert_close(ga[n], gb[n], atol=GRAD_ATOL, rtol=0, msg=lambda m, n=n: f"{n} A/B: {m}")
         torch.testing.assert_close(ga[n], gc[n], atol=GRAD_ATOL, rtol=0, msg=lambda m, n=n: f"{n} A/C: {m}")
+
+
+@pytest.mark.parametrize(("beta_mode", "factor"), [("logit", 1.0), ("logit_x2", 2.0)])
+def test_beta_logit_chain_rule(beta_mode: str, factor: float) -> None:
+    # d loss / d logit = d loss / d beta * c s (1 - s), s = sigmoid(logit), c = 1 or 2: the gradient of the
+    # prob-mode recurrence at beta = c s, times the sigmoid's derivative written out.
+    x = _inputs(B=1, T=6, H=1, HV=2, K=4, V=4, gate="precomputed", cu=[0, 2, 6], init=True, layout="vk",
+                l2norm_qk=True, seed=23, beta_mode=beta_mode)
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(1, 6, 2, 4, generator=gen, dtype=torch.float64)
+    dht = torch.randn(2, 2, 4, 4, generator=gen, dtype=torch.float64)
+    kw = dict(l2norm_qk=True, state_layout="vk", output_final_state=True, A_log=None, dt_bias=None)
+    rest = {n: x[n] for n in ("q", "k", "v", "g", "initial_state", "cu_seqlens")}
+    logit = x["beta"].detach().clone().requires_grad_(True)
+    ga = _vjp(lambda beta: kda_reference_autograd(**rest, beta=beta, beta_mode=beta_mode, **kw),
+              {"beta": logit}, do, dht)["beta"]
+    s = torch.sigmoid(x["beta"])
+    prob = (factor * s).detach().requires_grad_(True)
+    gp = _vjp(lambda beta: kda_reference_autograd(**rest, beta=beta, **kw), {"beta": prob}, do, dht)["beta"]
+    assert ga.abs().max() > 0
+    torch.testing.assert_close(ga, gp * factor * s * (1 - s), atol=GRAD_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("gate", ["precomputed", "softplus"])

@@ -52,6 +52,7 @@ def test_defaults_match_architecture():
         "dtype": "bf16",
         "g_dtype": "fp32",
         "beta_dtype": "fp32",
+        "beta": "prob",
         "state_dtype": "fp32",
         "state_layout": "kv",
     }
@@ -60,7 +61,8 @@ def test_defaults_match_architecture():
 def test_canonical_json_digest_and_slug():
     cj = BASE.canonical_json()
     assert " " not in cj
-    assert list(json.loads(cj)) == sorted(KernelSpec.model_fields)
+    # Every field, but beta at its default prob (an option whose default is the kernel without it).
+    assert list(json.loads(cj)) == sorted(set(KernelSpec.model_fields) - {"beta"})
     assert BASE.digest() == hashlib.sha256(cj.encode()).hexdigest()
     assert (
         BASE.slug()
@@ -70,6 +72,24 @@ def test_canonical_json_digest_and_slug():
     assert re.fullmatch(r"kda_fwd-sm90a-k128v128-c16-gva1-gate_sp-bf16-gbf16-b32-kv-[0-9a-f]{12}", sp.slug())
     pre = BASE.replace(gate="precomputed", lower_bound=-2.5, family="mma_sync", state_layout="vk")
     assert pre.slug().startswith("kda_fwd-sm90a-mma_sync-k128v128-c16-gva1-gate_pre_lb2p5-safe-l2-")
+
+
+@pytest.mark.parametrize("mode", ["logit", "logit_x2"])
+def test_beta_mode_in_canonical_json_and_slug(mode: str):
+    # prob is the default and leaves the identity of a spec as it is without the field; the logit modes name
+    # themselves in the canonical JSON (so in the digest) and in the readable slug.
+    assert "beta" not in json.loads(BASE.canonical_json())
+    assert KernelSpec(arch="sm_90a", beta="prob").canonical_json() == BASE.canonical_json()
+    spec = BASE.replace(beta=mode)
+    cj = json.loads(spec.canonical_json())
+    assert list(cj) == sorted(KernelSpec.model_fields) and cj["beta"] == mode
+    assert spec.digest() == hashlib.sha256(spec.canonical_json().encode()).hexdigest() != BASE.digest()
+    assert spec.slug() == (
+        f"kda_fwd-sm90a-k128v128-c16-gva1-gate_lb5-safe-l2-bf16-g32-b32-beta_{mode}-kv-{spec.digest()[:12]}"
+    )
+    # The canonical JSON reads back as the same spec, with or without the field.
+    for s in (BASE, spec):
+        assert KernelSpec.from_dict(json.loads(s.canonical_json())) == s
 
 
 def test_int_and_float_lower_bound_are_the_same_spec():
@@ -101,6 +121,13 @@ def test_frozen_hashable_picklable():
             "field 'dtype': expected one of 'bf16', 'fp16', got 'bf61' (did you mean 'bf16'?)",
         ),
         ({"state_dtype": "bf16"}, "field 'state_dtype': expected one of 'fp32', got 'bf16'"),
+        (
+            {"beta": "sigmoid"},
+            "field 'beta': expected one of 'prob', 'logit', 'logit_x2', got 'sigmoid'",
+        ),
+        ({"beta": "logit_X2"}, "field 'beta': expected one of 'prob', 'logit', 'logit_x2', got 'logit_X2' "
+                               "(did you mean 'logit_x2'?)"),
+        ({"beta": True}, "field 'beta': expected one of 'prob', 'logit', 'logit_x2', got True"),
         ({"hed_dim_k": 128}, "field 'hed_dim_k': unknown field (did you mean 'head_dim_k'?)"),
         ({"safe_gate": "yes"}, "field 'safe_gate': expected true or false, got 'yes'"),
         (
@@ -258,6 +285,23 @@ def test_file_error_names_file_variant_field(tmp_path: Path, monkeypatch: pytest
     )
     assert _err(load_spec_file, path) == (
         "specs/sm90.yaml: variant 'k128-gva2': field 'gva_ratio': expected one of 1, 2, 4, 8, got 3"
+    )
+
+
+def test_file_beta_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = _spec_file(
+        tmp_path,
+        monkeypatch,
+        "defaults: {arch: sm_90a}\nvariants:\n  - name: k128\n  - {name: logit, beta: logit}\n"
+        "  - {name: x2, beta: logit_x2, state_layout: vk}\n",
+    )
+    specs = load_spec_file(path)
+    assert [s.beta for s in specs.values()] == ["prob", "logit", "logit_x2"]
+    assert specs["x2"] == BASE.replace(beta="logit_x2", state_layout="vk")
+    text = "defaults: {arch: sm_90a}\nvariants:\n  - {name: b, beta: sigm}\n"
+    bad = _spec_file(tmp_path, monkeypatch, text, name="bad.yaml")
+    assert _err(load_spec_file, bad) == (
+        "specs/bad.yaml: variant 'b': field 'beta': expected one of 'prob', 'logit', 'logit_x2', got 'sigm'"
     )
 
 

@@ -1,10 +1,11 @@
-"""The gate of one key, as a scalar (kda-math.md §2.1): what the decode step applies per token, where the
-prepare tile's fragment form (`kdagen.kernels.prepare_tile`) works on whole 16-token tiles in log2 units."""
+"""The gate of one key and the beta of one token, as scalars (kda-math.md §1.1, §2.1). The decode step applies
+the gate per token, where the prepare tile's fragment form (`kdagen.kernels.prepare_tile`) works on whole
+16-token tiles in log2 units; beta's transform (`beta_value`) is applied where each kernel loads beta."""
 
 import cutlass
 import cutlass.cute as cute
 
-__all__ = ["LOG2E", "log_decay", "decay"]
+__all__ = ["LOG2E", "log_decay", "decay", "beta_value"]
 
 LOG2E = 1.4426950408889634
 
@@ -29,3 +30,16 @@ def log_decay(x, dt, a_scale, gate: cutlass.Constexpr, lower_bound: cutlass.Cons
 def decay(g):
     # exp(g) for g <= 0, flushing to zero below 2^-126 (a decay that small leaves nothing to keep).
     return cute.math.exp2(g * LOG2E, approx=True, ftz=True)
+
+
+@cute.jit
+def beta_value(x, mode: cutlass.Constexpr):
+    """beta from its input `x` (fp32, as loaded) by the spec's `beta` mode: x itself (prob), sigmoid(x)
+    (logit) or 2 sigmoid(x) (logit_x2, eigenvalues of I - beta k k^T in (-1, 1)). A kernel applies it to
+    loaded values only: rows past a sequence's end keep beta = 0, which no sigmoid would give."""
+    b = x
+    if cutlass.const_expr(mode == "logit"):
+        b = 1.0 / (1.0 + cute.math.exp(-x))
+    elif cutlass.const_expr(mode == "logit_x2"):
+        b = 2.0 / (1.0 + cute.math.exp(-x))
+    return b

@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kdagen.kernels.common import pack2, row_copy, swizzled_rows
+from kdagen.kernels.gate import beta_value
 from kdagen.kernels.prepare import (
     anchored_operands,
     col_offset,
@@ -69,6 +70,7 @@ class TileConfig:
     gva: int  # value heads per q/k head
     dtype: Any  # q, k and the 16-bit outputs (cutlass.BFloat16 or Float16)
     g_dtype: Any  # g as given
+    beta: str  # how beta is given: "prob", "logit" or "logit_x2" (`kdagen.kernels.gate.beta_value`)
     gate: str  # "precomputed", "softplus" or "lower_bound"
     lower_bound: float | None
     safe_gate: bool  # g >= lower_bound promised: the chunk-start anchor on tensor cores
@@ -174,9 +176,9 @@ def fragment_rows(gq, rows):
 @cute.jit
 def stage_inputs(cfg, lane, gq, mQ, mK, mG, mBeta, h, hv, t0, rows, views):
     """The stand-alone stage's tile inputs: q and k tiles and block 0 of g by cp.async (rows past the
-    sequence end read as zero), and beta of row `lane`, loaded now and parked in shared memory only after the
-    column blocks (its first use). Returns (the lane's `fragment_rows`, beta of row `lane`, the g copy, g's
-    rows of the tile)."""
+    sequence end read as zero), and beta of row `lane` (transformed by `cfg.beta`; zero past the sequence
+    end), loaded now and parked in shared memory only after the column blocks (its first use). Returns (the
+    lane's `fragment_rows`, beta of row `lane`, the g copy, g's rows of the tile)."""
     copy_in = row_copy(cfg.dtype, cfg.k, 32)
     shape = (cfg.bt, cfg.k)
     load_tile(copy_in, lane, cute.local_tile(cute.domain_offset((t0, 0), mQ[None, h, None]), shape, (0, 0)),
@@ -190,7 +192,7 @@ def stage_inputs(cfg, lane, gq, mQ, mK, mG, mBeta, h, hv, t0, rows, views):
     rr, valid = fragment_rows(gq, rows)
     bl = cutlass.Float32(0.0)
     if lane < rows:
-        bl = mBeta[t0 + lane, hv].to(cutlass.Float32)
+        bl = beta_value(mBeta[t0 + lane, hv].to(cutlass.Float32), cfg.beta)
     cute.arch.cp_async_wait_group(0)
     cute.arch.sync_warp()
     return rr, valid, bl, copy_g, g_rows

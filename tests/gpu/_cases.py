@@ -1,8 +1,10 @@
 """Shared helpers for the GPU tests: the spec matrix, the input cases, and the kernel/reference runners.
 
 The matrix is a covering design, not a full product: each distinct spec is a separately compiled binary, so
-the spec axes (gate mode, GVA, head dims, dtypes, l2norm, layout) are spread over 17 specs, and the runtime
-axes (T, B, H, varlen, initial/final state, gate extremes) over the cases run against each spec.
+the spec axes (gate mode, GVA, head dims, dtypes, l2norm, layout, beta mode, family) are spread over the specs
+of `SPECS`, and the runtime axes (T, B, H, varlen, initial/final state, gate extremes) over the cases run
+against each spec. Inputs follow the spec's beta mode: probabilities in (0, 1) for ``prob``, logits (randn)
+for ``logit`` and ``logit_x2``.
 
 Importing this module does not import kdagen (only ``kdagen.reference``), so collection works anywhere.
 """
@@ -29,7 +31,8 @@ LB = {"gate": "lower_bound", "safe_gate": False, "lower_bound": -5.0}
 
 
 def make_spec(gate: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """A KernelSpec dict: sm_90a, K=V=128, GVA 1, bf16, fp32 g/beta, l2norm, kv layout, unless overridden."""
+    """A KernelSpec dict: sm_90a, K=V=128, GVA 1, bf16, fp32 g/beta, l2norm, kv layout, beta given as a
+    probability (the spec's default), unless overridden."""
     spec: dict[str, Any] = {
         "arch": ARCH,
         "head_dim_k": 128,
@@ -76,6 +79,14 @@ SPECS: dict[str, dict[str, Any]] = {
     "lb_safe_k64v128_nol2_bbf16_gbf16": make_spec(LB_SAFE, head_dim_k=64, l2norm_qk=False, beta_dtype="bf16",
                                                   g_dtype="bf16"),
     "p_safe_gva4_l2_vk_gbf16": make_spec(P_SAFE, gva_ratio=4, state_layout="vk", g_dtype="bf16"),
+    # beta as logits (sigmoid in the kernel) and doubled (2 sigmoid, FLA's allow_neg_eigval), in each family:
+    # wgmma (the stand-alone prepare and the fused kernel, which load beta each in their own code) and
+    # mma_sync (prepare with the safe gate and with the anchored tile of the softplus gate).
+    "lb_safe_logit": make_spec(LB_SAFE, beta="logit"),
+    "lb_safe_gva2_vk_bbf16_logit_x2": make_spec(LB_SAFE, gva_ratio=2, state_layout="vk", beta_dtype="bf16",
+                                                beta="logit_x2"),
+    "lb_safe_mma_sync_logit_x2": make_spec(LB_SAFE, family="mma_sync", beta="logit_x2"),
+    "softplus_mma_sync_bbf16_logit": make_spec(SOFTPLUS, family="mma_sync", beta_dtype="bf16", beta="logit"),
 }
 # fmt: on
 
@@ -165,6 +176,12 @@ CASES: dict[str, tuple[Case, ...]] = {
     "lb_safe_k128v64_vk": (F(1, 500, 2, init=True), VL(CU_5, 1, init=True)),
     "p_safe_gva4_l2_vk": (F(2, 63, 1, init=True, gln=0.1), VL(CU_3, 1, init=True)),
     "lb_gva2_k64v64_fp16_gbf16": (F(1, 1500, 2, init=True), VL(CU_1, 2)),
+    "lb_safe_logit": (F(1, 1, 1, init=True), F(2, 500, 2, init=True), VL(CU_EDGE, 2, init=True)),
+    "lb_safe_gva2_vk_bbf16_logit_x2": (F(1, 65, 2, init=True), VL(CU_5, 2, init=True)),
+    "lb_safe_mma_sync_logit_x2": (F(2, 63, 2, init=True), VL(CU_3, 2, init=True)),
+    "softplus_mma_sync_bbf16_logit": (
+        F(1, 500, 2, init=True), VL(CU_EDGE, 2, init=True, mask_p=0.1, hard_reset=True),
+    ),
 }
 # fmt: on
 
@@ -187,7 +204,7 @@ def build_inputs(spec: dict[str, Any], case: Case, device: str = "cuda") -> dict
         safe_gate=spec["safe_gate"], lower_bound=spec["lower_bound"], seed=case.seed, device=device,
         mask_p=case.mask_p, hard_reset=case.hard_reset, gate_logit_normalizer=case.gln,
         l2norm_qk=spec["l2norm_qk"], cu_seqlens=case.cu, with_initial_state=case.init,
-        state_layout=spec["state_layout"],
+        state_layout=spec["state_layout"], beta_mode=spec.get("beta", "prob"),
     )
     if case.no_a_log:
         inp["A_log"] = None
@@ -208,7 +225,7 @@ def run_reference(
     """The fp64 token recurrence on the inputs' device."""
     return kda_recurrent_reference(
         **inp, scale=scale, output_final_state=final, gate=spec["gate"], lower_bound=spec["lower_bound"],
-        l2norm_qk=spec["l2norm_qk"], state_layout=spec["state_layout"],
+        l2norm_qk=spec["l2norm_qk"], state_layout=spec["state_layout"], beta_mode=spec.get("beta", "prob"),
     )
 
 

@@ -35,6 +35,8 @@ DECODE_SPECS = [
     "lb_safe_gva2_vk_bbf16",
     "lb_safe_gva4_k64v64",
     "lb_safe_k128v64_vk",
+    "lb_safe_logit",  # beta logits: sigmoid(beta) at the decode kernel's load
+    "lb_safe_gva2_vk_bbf16_logit_x2",  # 2 sigmoid(beta), bf16 logits
 ]
 
 
@@ -87,7 +89,8 @@ def test_decode_step_on_a_pool(spec_name: str, interleave: int) -> None:
     assert torch.equal(pool[untouched], before[untouched]), "a slot no request names was written"
 
 
-@pytest.mark.parametrize("spec_name", ["lb_safe", "p_reset_vk_bbf16", "lb_safe_gva4_k64v64"])
+@pytest.mark.parametrize("spec_name", ["lb_safe", "p_reset_vk_bbf16", "lb_safe_gva4_k64v64",
+                                       "lb_safe_gva2_vk_bbf16_logit_x2"])
 @pytest.mark.parametrize("accepted", [[1, 2, 4], [4, 1, 3]])
 def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, accepted: list[int]) -> None:
     spec = cases.SPECS[spec_name]

@@ -30,7 +30,8 @@ TOL_REF = 0.005  # relative RMSE against the fp64 reference (as tests/gpu/test_n
 TOL_FLA = 0.01  # relative RMSE between two bf16 kernels, each within TOL_REF of the reference
 
 
-def _inputs(T: int, H: int, HV: int, K: int, V: int, raw_gate: bool, seed: int = 0) -> dict[str, Any]:
+def _inputs(T: int, H: int, HV: int, K: int, V: int, raw_gate: bool, seed: int = 0,
+            beta_logits: bool = False) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -39,16 +40,20 @@ def _inputs(T: int, H: int, HV: int, K: int, V: int, raw_gate: bool, seed: int =
     g = randn(1, T, HV, K, dtype=torch.float32)
     if not raw_gate:  # a precomputed log-decay within the safe range [-5, 0)
         g = -torch.rand(1, T, HV, K, generator=gen, device="cuda") * 0.5
-    return {"q": randn(1, T, H, K), "k": randn(1, T, H, K), "v": randn(1, T, HV, V), "g": g,
-            "beta": torch.rand(1, T, HV, generator=gen, device="cuda")}
+    beta = randn(1, T, HV, dtype=torch.float32) if beta_logits else torch.rand(1, T, HV, generator=gen,
+                                                                                 device="cuda")
+    return {"q": randn(1, T, H, K), "k": randn(1, T, H, K), "v": randn(1, T, HV, V), "g": g, "beta": beta}
 
 
 # (id, head counts, FLA flags): the in-kernel lower_bound gate with l2norm, GVA 2 and a V-first state; the
-# precomputed safe gate with the K-first state.
+# precomputed safe gate with the K-first state; beta logits with the in-kernel 2 sigmoid, as engines call it.
 CASES = [
     ("lb-safe-l2-gva2-vk", dict(H=2, HV=4), dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
                                                  use_qk_l2norm_in_kernel=True, state_v_first=True)),
     ("precomputed-safe-kv", dict(H=4, HV=4), dict(safe_gate=True, use_qk_l2norm_in_kernel=True)),
+    ("lb-safe-l2-vk-beta-logit_x2", dict(H=4, HV=4),
+     dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+          state_v_first=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
 ]
 
 
@@ -56,7 +61,8 @@ CASES = [
 def test_chunk_kda_matches_fla(heads: dict[str, int], flags: dict[str, Any]) -> None:
     K = V = 128
     HV = heads["HV"]
-    inp = _inputs(T=333, K=K, V=V, raw_gate=flags.get("use_gate_in_kernel", False), **heads)
+    inp = _inputs(T=333, K=K, V=V, raw_gate=flags.get("use_gate_in_kernel", False),
+                  beta_logits=flags.get("use_beta_sigmoid_in_kernel", False), **heads)
     cu = torch.tensor([0, 1, 200, 333], dtype=torch.int64, device="cuda")
     v_first = flags.get("state_v_first", False)
     h0 = torch.randn(3, HV, V, K, device="cuda") if v_first else torch.randn(3, HV, K, V, device="cuda")
@@ -77,10 +83,12 @@ def test_chunk_kda_matches_fla(heads: dict[str, int], flags: dict[str, Any]) -> 
     else:
         spec = fla.choose_spec(inp["q"], inp["v"], inp["g"], inp["beta"], **{
             f: flags[f] for f in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "safe_gate", "lower_bound",
-                                  "state_v_first") if f in flags})
+                                  "state_v_first", "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+            if f in flags})
         want_o, want_ht = kda_recurrent_reference(
             **inp, initial_state=h0, output_final_state=True, cu_seqlens=cu, gate=spec.gate,
-            lower_bound=spec.lower_bound, l2norm_qk=spec.l2norm_qk, state_layout=spec.state_layout, **gate)
+            lower_bound=spec.lower_bound, l2norm_qk=spec.l2norm_qk, state_layout=spec.state_layout,
+            beta_mode=spec.beta, **gate)
         tol = TOL_REF
     assert o.dtype == inp["q"].dtype and tuple(o.shape) == (1, 333, HV, V)
     assert_close("o", want_o.double(), o, tol)

@@ -2,9 +2,10 @@
 prebuilt-artifact path (KDAGEN_DISABLE_JIT) and input validation.
 
 Metric: relative RMSE of kda-math §4.1, tolerance 0.005 for o and the final state. The matrix (tests/gpu/
-_cases.py) covers odd T, T=1, varlen with length-1 sequences, GVA 1/2/4, both beta dtypes, with and without
-an initial state, final state on/off, every gate mode (hard resets on the non-safe ones), gate extremes,
-l2norm on/off, the four (K, V) pairs, bf16 and fp16, both state layouts, in 17 compiled specs.
+_cases.py) covers odd T, T=1, varlen with length-1 sequences, GVA 1/2/4, both beta dtypes, beta given as a
+probability or as logits (sigmoid and 2 sigmoid in the kernel), with and without an initial state, final
+state on/off, every gate mode (hard resets on the non-safe ones), gate extremes, l2norm on/off, the four
+(K, V) pairs, bf16 and fp16, both state layouts and both families, in the compiled specs of `_cases.SPECS`.
 
 Every test needs a CUDA GPU (sm_90a); without one the whole module is skipped.
 """
@@ -142,10 +143,10 @@ def test_fused_kernel_many_chains_per_cta() -> None:
 
 # The fused kernel's CTA-pair form (calls whose chains fill at most half the SMs): against the reference, and
 # bit for bit against the one-CTA form (fused_pair="off") and the two-stage path, on specs that cover it
-# (lb_safe: fp32 g, three prepare warps a CTA; the others four); the last case of each puts a pair on every SM
-# of a 132-SM card (128 SMs at GVA 4).
+# (lb_safe: fp32 g, three prepare warps a CTA; the others four; lb_safe_logit: beta logits); the last case of
+# each puts a pair on every SM of a 132-SM card (128 SMs at GVA 4).
 PAIR_SPECS = ("lb_safe_gbf16", "lb_safe", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
-              "p_safe_gva4_l2_vk_gbf16")
+              "p_safe_gva4_l2_vk_gbf16", "lb_safe_logit")
 
 
 def _pair_cases(g: int) -> tuple[cases.Case, ...]:
