@@ -397,10 +397,13 @@ def make_plan(spec: KernelSpec) -> Plan:
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
     # family's, since it uses no tensor cores (one thread a value column, the state column in registers).
-    # With bulk copies a CTA takes a whole head, whose slot moves through shared memory in one copy each way
-    # (K >= V, so that the V threads stage the token's K inputs in whole rounds).
+    # With bulk copies and the K-first layout a CTA takes a whole head, whose slot moves through shared
+    # memory in one copy each way (K >= V, so that the V threads stage the token's K inputs in whole rounds):
+    # 1.55-1.67x FLA's fp32 step with a bf16 state against 1.4x in registers, the same with fp32
+    # (docs/experiments.md, "Decode: bulk copies").
     slot_bytes = spec.head_dim_k * spec.head_dim_v * DTYPES[spec.state_dtype].nbytes
-    decode_bulk = (spec.arch_info.has_bulk_copy and spec.head_dim_k >= spec.head_dim_v
+    decode_bulk = (spec.arch_info.has_bulk_copy and spec.state_layout == "kv"
+                   and spec.head_dim_k >= spec.head_dim_v
                    and slot_bytes + DECODE_SMEM_EXTRA <= spec.arch_info.smem_bytes_per_block)
     decode = StagePlan(
         "decode",

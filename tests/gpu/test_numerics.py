@@ -171,7 +171,7 @@ def test_fused_pair_form(spec_name: str, case: cases.Case) -> None:
     if 2 * nseq * hv > sms:
         pytest.skip(f"{nseq * hv} chains need {2 * nseq * hv} CTAs for the pair form; this GPU has {sms} SMs")
     paired = kernel.with_policy(SchedulePolicy(fused="on", fused_pair="auto"))
-    assert paired.schedule(nseq, case.total, hv, sms).fused_args[2] == 1, "the call takes no pair form"
+    assert paired.schedule(nseq, case.total, hv, sms).fused_args[2] >= 1, "the call takes no pair form"
     o_p, ht_p = cases.run_kernel(paired, inp, True)
     o_1, ht_1 = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="on", fused_pair="off")), inp, True)
     o_s, ht_s = cases.run_kernel(kernel.with_policy(SchedulePolicy(fused="off")), inp, True)
