@@ -1,5 +1,6 @@
 """Decode and speculative-decode verify: kdagen `KDAKernel.decode` against FLA's `fused_recurrent_kda_fwd`,
-both updating a slot-indexed fp32 state pool in place, in the same process on the same inputs.
+both updating a slot-indexed state pool in place, in the same process on the same inputs. FLA's pool is
+fp32; kdagen's has the spec's `state_dtype` (a bf16 state is compared with FLA's fp32 step).
 
 Rows: HV in {32, 64} (H = HV, K = V = 128), N requests in {1, 8, 32, 128, 256}, S tokens a request in
 {1, 2, 4, 8} (S > 1: one slot a token, FLA's verify semantics). Times are CUDA-graph replay device times
@@ -22,20 +23,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import bench_fwd  # noqa: E402
 import torch  # noqa: E402
+
+from kdagen.dtypes import DTYPES  # noqa: E402
 
 HVS = (32, 64)
 NS = (1, 8, 32, 128, 256)
 SS = (1, 2, 4, 8)
 
 
-def floor_us(hv: int, n: int, s: int, k: int, v: int, tbps: float) -> float:
+def floor_us(hv: int, n: int, s: int, k: int, v: int, tbps: float, elem_bytes: int = 4) -> float:
     """Bytes of the state pool a step must move over the HBM bandwidth: one read and one write a request for
     S = 1, one read and S writes (the state after each token) for S > 1."""
     copies = 2 if s == 1 else 1 + s
-    return n * hv * k * v * 4 * copies / (tbps * 1e12) * 1e6
+    return n * hv * k * v * elem_bytes * copies / (tbps * 1e12) * 1e6
 
 
 def make_inputs(spec: Any, hv: int, n: int, s: int, seed: int = 0) -> dict[str, Any]:
@@ -46,6 +50,7 @@ def make_inputs(spec: Any, hv: int, n: int, s: int, seed: int = 0) -> dict[str, 
     slots = 2 * n * s + 1
     inner = (hv, k, v) if spec.state_layout == "kv" else (hv, v, k)
     idx = torch.randperm(slots - 1, device=dev)[: n * s].to(torch.int32).view(n, s)
+    pool = torch.randn(slots, *inner, device=dev, dtype=torch.float32) * 0.1
     return {
         "q": torch.randn(n, s, h, k, device=dev, dtype=dt16),
         "k": torch.randn(n, s, h, k, device=dev, dtype=dt16),
@@ -54,7 +59,8 @@ def make_inputs(spec: Any, hv: int, n: int, s: int, seed: int = 0) -> dict[str, 
         "beta": torch.rand(n, s, hv, device=dev, dtype=torch.float32),
         "A_log": torch.rand(hv, device=dev, dtype=torch.float32) - 2.0,
         "dt_bias": torch.randn(hv * k, device=dev, dtype=torch.float32) * 0.1,
-        "pool": torch.randn(slots, *inner, device=dev, dtype=torch.float32) * 0.1,
+        "pool": pool.to(getattr(torch, DTYPES[spec.state_dtype].torch)),
+        "fla_pool": pool,
         "idx": idx[:, 0].contiguous() if s == 1 else idx,
         "accepted": torch.full((n,), s, dtype=torch.int32, device=dev),
     }
@@ -97,7 +103,7 @@ def fla_call(fla_fwd: Any, spec: Any, inp: dict[str, Any], s: int):
             inp["beta"],
             A_log=inp["A_log"] if gate else None,
             dt_bias=inp["dt_bias"] if gate else None,
-            initial_state=inp["pool"],
+            initial_state=inp["fla_pool"],
             inplace_final_state=True,
             state_v_first=spec.state_layout == "vk",
             ssm_state_indices=idx,
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             ("x floor", 8))
     head = " ".join(f"{name:>{width}}" for name, width in cols)
     print(
-        f"{card.name}: {args.spec} ({spec.state_layout}, fp32 state), CUDA-graph replay device time\n{head}"
+        f"{card.name}: {args.spec} ({spec.state_layout}, {spec.state_dtype} state; FLA: fp32), CUDA-graph "
+        f"replay device time\n{head}"
     )
     with torch.no_grad():
         for hv in HVS:
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                     theirs = None
                     if fused_recurrent_kda_fwd is not None:
                         theirs = bench_fwd.graph_ms(fla_call(fused_recurrent_kda_fwd, spec, inp, s)) * 1e3
-                    fl = floor_us(hv, n, s, spec.head_dim_k, spec.head_dim_v, card.hbm_tbps or 3.35)
+                    fl = floor_us(hv, n, s, spec.head_dim_k, spec.head_dim_v, card.hbm_tbps or 3.35,
+                                  DTYPES[spec.state_dtype].nbytes)
                     row = {
                         "hv": hv,
                         "n": n,
@@ -169,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
                     )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    meta = {"card": card.name, "spec": args.spec, "state_layout": spec.state_layout, "date": stamp}
+    meta = {"card": card.name, "spec": args.spec, "state_layout": spec.state_layout,
+            "state_dtype": spec.state_dtype, "date": stamp}
     (args.out / f"decode-{card.slug}-{stamp}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1)
     )
     lines = [
         f"# Decode: kdagen vs FLA fused_recurrent_kda_fwd ({card.name}, {args.spec})",
+        "",
+        f"kdagen's state: {spec.state_dtype}, {spec.state_layout}; FLA's: fp32. The floor: the kdagen pool's "
+        "bytes read and written over the card's HBM bandwidth.",
         "",
         "| HV | N | S | kdagen us | FLA us | speedup | floor us | x floor |",
         "|---|---|---|---|---|---|---|---|",
