@@ -20,6 +20,14 @@ Contract (what is validated, what is the caller's duty):
   tokens). has_initial_state bool [N] (optional): False starts that sequence from zero without the caller
   clearing its slot. Indices must be < P, and the live sequences' slots distinct (the caller's duty:
   checking would synchronise); slot arithmetic is 64-bit.
+- Prefix-cache checkpoints (a pool only): checkpoint_interval C, a positive multiple of 16 tokens;
+  checkpoint_indices int32/int64 [N, M]; start_positions int32/int64 [N] (optional, else 0): the tokens
+  already in sequence n's state, so its piece covers absolute positions start .. start + len. The state at
+  every absolute position p that is a multiple of C with start < p <= start + len (the state after the
+  request's first p tokens) is written to pool slot checkpoint_indices[n, m], m = 0, 1, ... in order; a
+  negative index, or m >= M, skips it. start_positions[n] must be a multiple of 16 and >= 0 (the caller's
+  duty; a piece that starts elsewhere writes no checkpoints). Checkpoint slots must differ from every slot
+  the call reads.
 - A_log: fp32 [HV]; dt_bias: fp32, exactly [HV * K] (as FLA takes it) or [HV, K]; no other shape with as many
   elements is accepted. H >= 1.
 - scale: None (K ** -0.5) or a finite real number > 0 (a Python or NumPy scalar, not a tensor or a bool).
@@ -104,7 +112,9 @@ def _props(t: Any) -> tuple | None:
 
 def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any, initial_state: Any,
                cu_seqlens: Any, state_pool: Any = None, state_indices: Any = None,
-               has_initial_state: Any = None, output_final_state: Any = False) -> tuple | None:
+               has_initial_state: Any = None, output_final_state: Any = False,
+               checkpoint_interval: Any = None, start_positions: Any = None,
+               checkpoint_indices: Any = None) -> tuple | None:
     """Everything the argument checks read (type, shape, dtype, device of each tensor; a pool's strides and
     alignment, and whether a compact final state is asked for beside it), or None when a call must be
     checked in full: cu_seqlens on the CPU (its values are checked) or an argument that is not a tensor
@@ -114,9 +124,14 @@ def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: A
         if cu is not None and cu[3].type == "cpu":
             return None
         pool = None
-        if state_pool is not None or state_indices is not None or has_initial_state is not None:
+        if state_pool is not None or state_indices is not None or has_initial_state is not None \
+                or checkpoint_interval is not None or start_positions is not None \
+                or checkpoint_indices is not None:
+            if checkpoint_interval is not None and type(checkpoint_interval) is not int:
+                return None  # (checked in full: the check names it)
             pool = (_props(state_pool), state_pool.stride(), state_pool.data_ptr() % _ALIGN,
-                    _props(state_indices), _props(has_initial_state), bool(output_final_state))
+                    _props(state_indices), _props(has_initial_state), bool(output_final_state),
+                    checkpoint_interval, _props(start_positions), _props(checkpoint_indices))
         return (_props(q), _props(k), _props(v), _props(g), _props(beta), _props(A_log), _props(dt_bias),
                 _props(initial_state), cu, torch.is_grad_enabled(), pool)
     except AttributeError:
@@ -332,10 +347,19 @@ def check_has_initial_state(has_initial_state: Any, n: int, device: torch.device
 
 
 def check_state_form(state_pool: Any, state_indices: Any, has_initial_state: Any, initial_state: Any,
-                     output_final_state: Any) -> None:
+                     output_final_state: Any, checkpoint_interval: Any = None, start_positions: Any = None,
+                     checkpoint_indices: Any = None) -> None:
     """InputError where a forward call mixes the two forms of its states: compact (initial_state,
-    output_final_state) and a pool (state_pool with state_indices, optionally has_initial_state)."""
+    output_final_state) and a pool (state_pool with state_indices, optionally has_initial_state and
+    prefix-cache checkpoints), or gives checkpoint arguments without checkpoint_interval."""
+    if checkpoint_interval is None:
+        _need(checkpoint_indices is None, "checkpoint_indices: given without checkpoint_interval (the tokens "
+              "between checkpoints)")
+        _need(start_positions is None, "start_positions: given without checkpoint_interval (it places the "
+              "checkpoints)")
     if state_pool is None:
+        _need(checkpoint_interval is None, "checkpoint_interval: given without state_pool (checkpoints are "
+              "written into pool slots)")
         _need(state_indices is None,
               "state_indices: given without state_pool (the pool whose slots it names)")
         _need(has_initial_state is None, "has_initial_state: given without state_pool; it flags the pool "
@@ -346,6 +370,34 @@ def check_state_form(state_pool: Any, state_indices: Any, has_initial_state: Any
     _need(not output_final_state, "output_final_state: True together with state_pool; the final states "
           "are written back into the pool's slots in place, and no compact final state is returned")
     _need(state_indices is not None, "state_indices: required with state_pool (one slot per sequence)")
+
+
+def check_checkpoints(checkpoint_interval: Any, start_positions: Any, checkpoint_indices: Any, n: int,
+                      device: torch.device) -> None:
+    """InputError unless the prefix-cache checkpoint arguments are a positive multiple of 16 tokens
+    (checkpoint_interval), int32/int64 [N, M] pool slots on `device` (checkpoint_indices) and, where given,
+    int32/int64 [N] start positions on `device`."""
+    c = checkpoint_interval
+    _need(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c > 0 and c % CHUNK == 0, lambda: (
+        f"checkpoint_interval: expected a positive multiple of {CHUNK} (tokens between checkpoints), got "
+        f"{c!r}"))
+    t = checkpoint_indices
+    _need(t is not None, "checkpoint_indices: required with checkpoint_interval ([N, M] pool slots)")
+    _need(isinstance(t, torch.Tensor),
+          lambda: f"checkpoint_indices: expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype in (torch.int32, torch.int64), lambda: (
+        f"checkpoint_indices: expected dtype torch.int32 or torch.int64, got {t.dtype}"))
+    _need(t.device == device, lambda: f"checkpoint_indices: expected a tensor on {device}, got {t.device}")
+    _need(t.dim() == 2 and t.shape[0] == n and t.shape[1] >= 1, lambda: (
+        f"checkpoint_indices: expected [N, M] with N = {n} sequences and M >= 1, got {list(t.shape)}"))
+    if start_positions is not None:
+        p = start_positions
+        _need(isinstance(p, torch.Tensor) and p.dim() == 1 and p.shape[0] == n, lambda: (
+            f"start_positions: expected a tensor [N] = [{n}], got "
+            f"{list(getattr(p, 'shape', [type(p).__name__]))}"))
+        _need(p.dtype in (torch.int32, torch.int64), lambda: (
+            f"start_positions: expected dtype torch.int32 or torch.int64, got {p.dtype}"))
+        _need(p.device == device, lambda: f"start_positions: expected a tensor on {device}, got {p.device}")
 
 
 def validate_forward_inputs(
@@ -363,13 +415,17 @@ def validate_forward_inputs(
     state_indices: Any = None,
     has_initial_state: Any = None,
     output_final_state: Any = False,
+    checkpoint_interval: Any = None,
+    start_positions: Any = None,
+    checkpoint_indices: Any = None,
     *,
     require_cuda: bool = True,
 ) -> tuple[int, int, int, int, int]:
     """Every check of a forward call (`KDAKernel.__call__`): `validate_inputs`, and with ``state_pool`` the
-    pool form's (the pool, the indices, has_initial_state; neither initial_state nor output_final_state
-    beside it). Returns (B, T, H, HV, N)."""
-    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state)
+    pool form's (the pool, the indices, has_initial_state, the checkpoints; neither initial_state nor
+    output_final_state beside it). Returns (B, T, H, HV, N)."""
+    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
+                     checkpoint_interval, start_positions, checkpoint_indices)
     if state_pool is None:
         return validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                require_cuda=require_cuda)
@@ -381,6 +437,8 @@ def validate_forward_inputs(
     check_state_indices(state_indices, nseq, device, unit="sequences")
     if has_initial_state is not None:
         check_has_initial_state(has_initial_state, nseq, device)
+    if checkpoint_interval is not None:
+        check_checkpoints(checkpoint_interval, start_positions, checkpoint_indices, nseq, device)
     _check_no_grad({"state_pool": state_pool})  # (validate_inputs checked q, k, v, g, beta, A_log, dt_bias)
     return sizes
 
@@ -559,10 +617,14 @@ class KDAKernel:
         state_indices: Any = None,
         has_initial_state: Any = None,
         output_final_state: Any = False,
+        checkpoint_interval: Any = None,
+        start_positions: Any = None,
+        checkpoint_indices: Any = None,
     ) -> tuple[int, int, int, int, int]:
         """Every check of a call's arguments (InputError naming the argument); returns (B, T, H, HV, N)."""
         return validate_forward_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                       state_pool, state_indices, has_initial_state, output_final_state)
+                                       state_pool, state_indices, has_initial_state, output_final_state,
+                                       checkpoint_interval, start_positions, checkpoint_indices)
 
     def __call__(
         self,
@@ -582,12 +644,17 @@ class KDAKernel:
         state_pool: torch.Tensor | None = None,
         state_indices: torch.Tensor | None = None,
         has_initial_state: torch.Tensor | None = None,
+        checkpoint_interval: int | None = None,
+        start_positions: torch.Tensor | None = None,
+        checkpoint_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of the spec: ``(o, final_state or None)``.
 
         With ``state_pool`` and ``state_indices`` (the module's contract) each sequence starts from its
         pool slot (or from zero where ``has_initial_state`` is False) and its final state is written back
-        into that slot in place: ``(o, None)``. `policy` (a `kdagen.policy.SchedulePolicy`) schedules this
+        into that slot in place: ``(o, None)``; with ``checkpoint_interval`` and ``checkpoint_indices`` the
+        states at every multiple of the interval (absolute positions, from ``start_positions``) go into the
+        pool too. `policy` (a `kdagen.policy.SchedulePolicy`) schedules this
         call instead of the kernel's own (`with_policy` makes a kernel view that keeps one); scheduling
         never changes the results beyond the rounding of the chosen path (the fused paths are bit-identical
         to the two-stage path)."""
@@ -599,11 +666,13 @@ class KDAKernel:
         # The checks depend only on the properties in `sig`, so a call whose signature was validated before
         # skips them (a small call is bound by host time, and the checks were ~15 us of it on an H100 host).
         sig = _signature(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
-                         state_indices, has_initial_state, output_final_state)
+                         state_indices, has_initial_state, output_final_state, checkpoint_interval,
+                         start_positions, checkpoint_indices)
         sizes = self._validated.get(sig) if sig is not None else None
         if sizes is None:
             sizes = self._validate(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
-                                   state_indices, has_initial_state, output_final_state)
+                                   state_indices, has_initial_state, output_final_state, checkpoint_interval,
+                                   start_positions, checkpoint_indices)
             if sig is not None:
                 remember(self._validated, sig, sizes)
         bsz, seqlen, nh, hv, nseq = sizes
@@ -657,7 +726,19 @@ class KDAKernel:
                 ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
             ht_arg = ht if ht is not None else unused
             has_h0, store_ht = int(initial_state is not None), int(ht is not None)
-        states = (h0, ht_arg, idx, init)
+        # Prefix-cache checkpoints: the pieces' start positions (absent: the one-element zero, which the
+        # kernels extend with zeros) and the checkpoints' slots, or one-element dummies with every = 0.
+        start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        ckpt = self._cached(("ckpt", device), lambda: torch.zeros((1, 1), dtype=torch.int32, device=device))
+        every = 0
+        if checkpoint_interval is not None:
+            every = checkpoint_interval // CHUNK
+            ckpt = _prepared(checkpoint_indices if checkpoint_indices.dtype == torch.int32
+                             else checkpoint_indices.to(torch.int32))
+            if start_positions is not None:
+                start = _prepared(start_positions if start_positions.dtype == torch.int32
+                                  else start_positions.to(torch.int32))
+        states = (h0, ht_arg, idx, init, start, ckpt)
 
         # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
         ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
@@ -678,7 +759,7 @@ class KDAKernel:
                 prepare_ctas = max(1, min(items, self._prepare_ctas[1 if sched.beside else 0] * sms))
                 self._forward(q, k, g, beta, *gate_args, cu, v, *states, o, buf, ws.qd, ws.akt, ws.aq, ws.gt,
                               ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1, has_h0, store_ht,
-                              int(pooled), int(sched.by_length), *sched.fused_args)
+                              int(pooled), every, int(sched.by_length), *sched.fused_args)
                 return o, ht
             buf = buf.view(-1)
             kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
@@ -704,5 +785,6 @@ class KDAKernel:
             # The merge reads each sequence's initial state, the segment pass writes its final one (on a
             # pool, the same slot: the merge has read it by then).
             merge(cp_maps, cu, h0, idx, init, seg_h0, has_h0, int(pooled), seg_len)
-            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, idx, store_ht, int(pooled), o2, seg_len)
+            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, idx, start, ckpt, store_ht, int(pooled),
+                     every, o2, seg_len)
         return o, ht

@@ -20,6 +20,9 @@ __all__ = [
     "wait_ready_group",
     "map_planes",
     "state_slots",
+    "checkpoint_first",
+    "checkpoint_slot",
+    "checkpoint_step",
     "state_load",
     "state_store",
     "store_o_step",
@@ -148,6 +151,60 @@ def state_slots(mIdx: cute.Tensor, mInit: cute.Tensor, seq: cutlass.Int32, num_s
     if store_ht == 0:
         slot_out = cutlass.Int32(-1)
     return slot_in, slot_out, pad
+
+
+@cute.jit
+def checkpoint_first(mStart: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32, every: cutlass.Int32,
+                     step0: cutlass.Int32, bt: cutlass.Constexpr):
+    # Prefix-cache checkpoints of sequence `seq`: (the first step at or after step0 whose end is one, its
+    # checkpoint number), or (-1, 0) for none. The piece starts at absolute position start_positions[seq]
+    # (tokens already in the state); checkpoint m is the state at the m-th multiple of C = every * bt past
+    # it. With a start that is a multiple of bt they fall on step ends, every `every` steps from the first;
+    # a start that is not (the caller's duty) takes none: those states are never formed. Sequences past
+    # mStart's length start at 0 (the runtime passes a one-element zero when no positions are given).
+    nxt = cutlass.Int32(-1)
+    m = cutlass.Int32(0)
+    if every > 0 and seq < num_seqs:
+        start = cutlass.Int32(0)
+        if seq < mStart.shape[0]:
+            start = cutlass.max(mStart[seq], 0)
+        if start % bt == 0:
+            first = (every * bt - start % (every * bt)) // bt - 1
+            nxt = first
+            if step0 > first:
+                m = (step0 - first + every - 1) // every
+                nxt = first + m * every
+    return nxt, m
+
+
+@cute.jit
+def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32) -> cutlass.Int32:
+    # The pool slot of checkpoint m of sequence seq: checkpoint_indices[seq, m], or -1 (skip) past its M
+    # columns or where the caller put a negative index.
+    slot = cutlass.Int32(-1)
+    if m < mCk.shape[1]:
+        slot = mCk[seq, m]
+    return slot
+
+
+@cute.jit
+def checkpoint_step(acc_s: cute.Tensor, coord_s: cute.Tensor, mHt: cute.Tensor, mCk: cute.Tensor,
+                    seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32, step: cutlass.Int32,
+                    rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32, every: cutlass.Int32,
+                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+    # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
+    # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 + coord_s[i][0], key
+    # columns coord_s[i][1]) goes to its pool slot, and the next checkpoint is `every` steps on. A partial
+    # last step ends short of its checkpoint: no write. One compare a step otherwise. Returns (ck_next,
+    # ck_m): the caller rebinds them in its step loop.
+    if step == ck_next and rows >= bt:
+        slot = checkpoint_slot(mCk, seq, ck_m)
+        if slot >= 0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                state_store(mHt, slot, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
+        ck_m = ck_m + 1
+        ck_next = ck_next + every
+    return ck_next, ck_m
 
 
 @cute.jit
