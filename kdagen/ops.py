@@ -10,10 +10,11 @@ output_final_state, cu_seqlens, policy_json) -> (o, final_state)``
 - ``policy_json`` is None (the kernel's own scheduling) or the JSON of `kdagen.policy.SchedulePolicy`'s
   fields (`policy_json(policy)` here).
 - ``torch.ops.kdagen.forward_pool(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, cu_seqlens,
-  policy_json, state_pool, state_indices, has_initial_state) -> o`` is the forward on a slot-indexed state
-  pool (the runtime's contract): it mutates ``state_pool`` (declared, so functionalization sees it), and
-  its fake implementation gives ``o``. A mutating op takes no autograd formula: the runtime's own check
-  refuses inputs that require grad when it is called with grad enabled.
+  policy_json, state_pool, state_indices, has_initial_state, checkpoint_interval, start_positions,
+  checkpoint_indices) -> o`` is the forward on a slot-indexed state pool, with optional prefix-cache
+  checkpoints into its slots (the runtime's contract): it mutates ``state_pool`` (declared, so
+  functionalization sees it), and its fake implementation gives ``o``. A mutating op takes no autograd
+  formula: the runtime's own check refuses inputs that require grad when it is called with grad enabled.
 - The op mutates nothing. ``final_state`` is an empty fp32 tensor when ``output_final_state`` is False
   (a custom op returns tensors, not None); `kda_forward` turns it back into None.
 - The fake (meta) implementation gives ``o`` as ``[B, T, HV, V]`` in q's dtype and ``final_state`` as
@@ -191,11 +192,17 @@ def _forward_pool(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kernel = kdagen.get_kernel(_fields(spec_json))
+    ckpt = {} if checkpoint_interval is None and start_positions is None and checkpoint_indices is None else {
+        "checkpoint_interval": checkpoint_interval, "start_positions": start_positions,
+        "checkpoint_indices": checkpoint_indices}
     o, _ = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                   policy=_policy(policy_json), state_pool=state_pool, state_indices=state_indices,
-                  has_initial_state=has_initial_state)
+                  has_initial_state=has_initial_state, **ckpt)
     return o
 
 
@@ -215,6 +222,9 @@ def _forward_pool_fake(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     vdim = _fields(spec_json)["head_dim_v"]
     return q.new_empty((v.shape[0], v.shape[1], v.shape[2], vdim))
@@ -238,10 +248,13 @@ def kda_forward(
     state_pool: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(o, final_state or None)`` of the KDA forward of `spec` through the ``kdagen::forward`` op; with
-    ``state_pool`` through ``kdagen::forward_pool``: ``(o, None)``, the final states written into the pool
-    in place.
+    ``state_pool`` through ``kdagen::forward_pool``: ``(o, None)``, the final states (and the prefix-cache
+    checkpoints) written into the pool in place.
 
     The arguments are the runtime's (`kdagen.runtime.KDAKernel.__call__`); `spec` is a `KernelSpec`, a dict
     of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
@@ -255,11 +268,13 @@ def kda_forward(
         from kdagen.runtime import check_scale
 
         scale = check_scale(scale, q.shape[-1])
-    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state)
+    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
+                     checkpoint_interval, start_positions, checkpoint_indices)
     if state_pool is not None:
         o = torch.ops.kdagen.forward_pool(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias,
                                           cu_seqlens, policy_json(policy), state_pool, state_indices,
-                                          has_initial_state)
+                                          has_initial_state, checkpoint_interval, start_positions,
+                                          checkpoint_indices)
         return o, None
     o, ht = torch.ops.kdagen.forward(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
                                      output_final_state, cu_seqlens, policy_json(policy))

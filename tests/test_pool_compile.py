@@ -1,7 +1,8 @@
 """Compile-only (CPU): the stages that read or write the states on a pool, for sm_90a (the wgmma family with
 the fused kernel and its CTA-pair form, `kv`) and a portable mma_sync variant (sm_80, `vk`). Their
-signatures declare the states with a dynamic 64-bit slot stride (compact within a slot), the slot map and
-the has-initial flags, and they compile for their target."""
+signatures declare the states with a dynamic 64-bit slot stride (compact within a slot), the slot map, the
+has-initial flags and, where states are written, the prefix-cache checkpoints; they compile for their
+target."""
 
 from __future__ import annotations
 
@@ -53,5 +54,8 @@ def test_pool_stages_compile(tmp_path: Path, case: str) -> None:
         assert sig["state_indices"][2] == "Int32" and sig["pooled"][1] == "Int32", stage
         if "h0" in sig:
             assert sig["has_initial"][2] == "Uint8" and "has_h0" in sig, stage
+        if "ht" in sig:  # the stages that write states write the prefix-cache checkpoints too
+            assert len(sig["checkpoint_indices"][3]) == 2 and sig["start_positions"][2] == "Int32", stage
+            assert sig["ckpt_every"][1] == "Int32", stage
         out = kdagen.compile.compile_stage_file(src / f"{stage}.py", spec.arch)
         assert out.object_bytes[:4] == b"\x7fELF", f"{case} {stage}: not an ELF object"

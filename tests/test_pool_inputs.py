@@ -141,6 +141,57 @@ def test_the_pool_is_checked_after_the_inputs() -> None:
         _check(q=torch.zeros(3, 8, 2, 64, dtype=torch.bfloat16))
 
 
+def test_checkpoint_arguments_pass() -> None:
+    ck = torch.full((3, 2), -1, dtype=torch.int32)
+    assert _check(checkpoint_interval=64, checkpoint_indices=ck) == (3, 8, 2, 2, 3)
+    assert _check(checkpoint_interval=16, checkpoint_indices=ck.long(),
+                  start_positions=torch.tensor([0, 32, 4096])) == (3, 8, 2, 2, 3)
+
+
+_CK = torch.zeros(3, 2, dtype=torch.int32)
+_POSITIVE = "^checkpoint_interval: expected a positive"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"checkpoint_interval": 24, "checkpoint_indices": _CK},
+         "^checkpoint_interval: expected a positive multiple of 16 .*, got 24$"),
+        ({"checkpoint_interval": 0, "checkpoint_indices": _CK}, _POSITIVE),
+        ({"checkpoint_interval": -16, "checkpoint_indices": _CK}, _POSITIVE),
+        ({"checkpoint_interval": True, "checkpoint_indices": _CK}, _POSITIVE),
+        ({"checkpoint_interval": 32.0, "checkpoint_indices": _CK}, _POSITIVE),
+        ({"checkpoint_interval": 32}, r"^checkpoint_indices: required with checkpoint_interval"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK.float()},
+         "^checkpoint_indices: expected dtype torch.int32 or torch.int64"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK.to("meta")},
+         "^checkpoint_indices: expected a tensor on cpu"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK[0]},
+         r"^checkpoint_indices: expected \[N, M\] with N = 3 sequences and M >= 1, got \[2\]$"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK[:2]},
+         r"^checkpoint_indices: expected \[N, M\] with N = 3 sequences and M >= 1, got \[2, 2\]$"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK[:, :0]},
+         r"^checkpoint_indices: expected \[N, M\] with N = 3 sequences and M >= 1, got \[3, 0\]$"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK,
+          "start_positions": torch.zeros(2, dtype=_I32)},
+         r"^start_positions: expected a tensor \[N\] = \[3\], got \[2\]$"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK, "start_positions": torch.zeros(3)},
+         "^start_positions: expected dtype torch.int32 or torch.int64"),
+        ({"checkpoint_interval": 32, "checkpoint_indices": _CK,
+          "start_positions": torch.zeros(3, dtype=_I32, device="meta")},
+         "^start_positions: expected a tensor on cpu"),
+        ({"checkpoint_indices": _CK}, "^checkpoint_indices: given without checkpoint_interval"),
+        ({"start_positions": torch.zeros(3, dtype=_I32)},
+         "^start_positions: given without checkpoint_interval"),
+        ({"state_pool": None, "state_indices": None, "checkpoint_interval": 32, "checkpoint_indices": _CK},
+         "^checkpoint_interval: given without state_pool"),
+    ],
+)
+def test_bad_checkpoint_arguments_are_named(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        _check(**kw)
+
+
 def test_signature_covers_the_pool() -> None:
     a = _args()
     base = {name: a[name] for name in ("q", "k", "v", "g", "beta")}
@@ -156,12 +207,16 @@ def test_signature_covers_the_pool() -> None:
         {**pooled, "state_indices": a["state_indices"].long()},  # dtype
         {**pooled, "has_initial_state": torch.ones(3, dtype=torch.bool)},  # presence
         {**pooled, "output_final_state": True},  # the conflict the checks refuse
+        {**pooled, "checkpoint_interval": 32, "checkpoint_indices": _CK},  # checkpoints
+        {**pooled, "checkpoint_interval": 64, "checkpoint_indices": _CK},  # their interval
+        {**pooled, "checkpoint_interval": 64, "checkpoint_indices": _CK, "start_positions": _CK[:, 0]},
         {**plain, "state_indices": a["state_indices"]},  # indices without a pool
     ]
     sigs = [_signature(**x) for x in variants[:-1]]
     assert all(s is not None and s != sig for s in sigs) and len(set(sigs)) == len(sigs)
     assert _signature(**variants[-1]) is None  # no pool to read strides from: the full checks name it
     assert _signature(**{**pooled, "state_pool": "pool"}) is None
+    assert _signature(**{**pooled, "checkpoint_interval": 32.0, "checkpoint_indices": _CK}) is None
 
 
 def test_no_tokens_clears_fresh_slots_only() -> None:
@@ -200,34 +255,55 @@ PRE = dict(arch="sm_90a", head_dim_k=64, head_dim_v=64, gate="precomputed", safe
 
 class PoolKernel:
     """A CPU stand-in for `KDAKernel` on a pool: the runtime's checks, then the fp64 reference from the
-    gathered slots, the final states scattered back (padding entries skipped, their o zero)."""
+    gathered slots, the final states scattered back (padding entries skipped, their o zero) and the
+    prefix-cache checkpoints written where the contract places them."""
 
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
 
+    def _reference(self, q, k, v, g, beta, h0, scale, A_log, dt_bias, cu_seqlens):
+        s = self.spec
+        return kda_recurrent_reference(
+            q, k, v, g, beta, scale=check_scale(scale, s.head_dim_k), initial_state=h0,
+            output_final_state=True, cu_seqlens=cu_seqlens, gate=s.gate, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout)
+
     def __call__(self, q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, initial_state=None,
                  output_final_state=False, cu_seqlens=None, policy=None, state_pool=None, state_indices=None,
-                 has_initial_state=None):
-        s = self.spec
-        validate_forward_inputs(s, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
-                                state_indices, has_initial_state, output_final_state, require_cuda=False)
+                 has_initial_state=None, checkpoint_interval=None, start_positions=None,
+                 checkpoint_indices=None):
+        validate_forward_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                state_pool, state_indices, has_initial_state, output_final_state,
+                                checkpoint_interval, start_positions, checkpoint_indices, require_cuda=False)
         live = state_indices >= 0
         h0 = state_pool[state_indices.clamp(min=0)].clone()
         if has_initial_state is not None:
             h0[~has_initial_state] = 0
-        o, ht = kda_recurrent_reference(
-            q, k, v, g, beta, scale=check_scale(scale, s.head_dim_k), initial_state=h0,
-            output_final_state=True, cu_seqlens=cu_seqlens, gate=s.gate, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout)
+        o, ht = self._reference(q, k, v, g, beta, h0, scale, A_log, dt_bias, cu_seqlens)
         o = o.to(q.dtype)
         bsz, seqlen = q.shape[0], q.shape[1]
         cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * seqlen for i in range(bsz + 1)]
         flat = o.view(-1, *o.shape[2:])
+        tokens = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in (("q", q), ("k", k), ("v", v), ("g", g),
+                                                                         ("beta", beta))}
         for n, ok in enumerate(live.tolist()):
-            if ok:
-                state_pool[int(state_indices[n])] = ht[n].float()
-            else:
+            if not ok:
                 flat[cu[n]:cu[n + 1]] = 0
+                continue
+            if checkpoint_interval is not None:
+                c = checkpoint_interval
+                start = 0 if start_positions is None else int(start_positions[n])
+                length = cu[n + 1] - cu[n]
+                for m in range(checkpoint_indices.shape[1]):
+                    p = (start // c + 1 + m) * c
+                    slot = int(checkpoint_indices[n, m])
+                    if p > start + length or start % 16 or slot < 0:
+                        continue
+                    part = {name: x[:, cu[n]:cu[n] + p - start] for name, x in tokens.items()}
+                    _, state = self._reference(**part, h0=h0[n:n + 1], scale=scale, A_log=A_log,
+                                               dt_bias=dt_bias, cu_seqlens=None)
+                    state_pool[slot] = state[0].float()
+            state_pool[int(state_indices[n])] = ht[n].float()
         return o, None
 
 
@@ -285,3 +361,41 @@ def test_kda_forward_on_a_pool(pool_kernels: None) -> None:
     with pytest.raises(InputError, match="^state_pool: requires grad"):
         ops.kda_forward(PRE, **inp, cu_seqlens=cu, state_pool=pool.clone().requires_grad_(),
                         state_indices=idx)
+
+
+def test_forward_pool_opcheck_with_checkpoints(pool_kernels: None) -> None:
+    inp = _pool_inputs(2)
+    pool = torch.randn(8, 2, 64, 64)
+    ck = torch.tensor([[5, -1], [6, 7], [-1, -1]], dtype=torch.int32)
+    args = (ops.spec_json(PRE), inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], None, None, None,
+            torch.tensor([0, 4, 4, 9], dtype=torch.int32), None, pool,
+            torch.tensor([3, -1, 0], dtype=torch.int32), None, 16, torch.tensor([16, 0, 32]), ck)
+    torch.library.opcheck(torch.ops.kdagen.forward_pool, args)
+
+
+def test_kda_forward_checkpoints_land_in_their_slots(pool_kernels: None) -> None:
+    # A piece of 40 tokens after 16 in the state (it ends at position 56), interval 16: checkpoints at
+    # positions 32 and 48 (16 and 32 tokens into the piece); the third slot (64) is past the piece.
+    gen = torch.Generator().manual_seed(4)
+    t = 40
+    inp = {
+        "q": torch.randn(1, t, 2, 64, generator=gen).to(torch.bfloat16),
+        "k": torch.randn(1, t, 2, 64, generator=gen).to(torch.bfloat16),
+        "v": torch.randn(1, t, 2, 64, generator=gen).to(torch.bfloat16),
+        "g": -torch.rand(1, t, 2, 64, generator=gen),
+        "beta": torch.rand(1, t, 2, generator=gen),
+    }
+    pool = torch.randn(6, 2, 64, 64)
+    before = pool.clone()
+    ck = torch.tensor([[4, 5, 2]], dtype=torch.int32)
+    ops.kda_forward(PRE, **inp, state_pool=pool, state_indices=torch.tensor([1], dtype=torch.int32),
+                    checkpoint_interval=16, start_positions=torch.tensor([16]), checkpoint_indices=ck)
+    kernel = PoolKernel(KernelSpec(**PRE))
+    for slot, tokens in ((4, 16), (5, 32)):
+        part = {name: x[:, :tokens] for name, x in inp.items()}
+        _, state = kernel._reference(**part, h0=before[1:2], scale=None, A_log=None, dt_bias=None,
+                                     cu_seqlens=None)
+        assert torch.equal(pool[slot], state[0].float()), f"checkpoint slot {slot}"
+    assert torch.equal(pool[2], before[2]), "a third checkpoint past the piece was written"
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[3], before[3])
+

@@ -226,3 +226,93 @@ def test_pool_call_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert torch.equal(replayed, o_eager), "the replayed o differs from an eager call"
     assert torch.equal(pool_replayed, pool), "the replayed pool differs from an eager call"
+
+
+# Prefix-cache checkpoints: the state at every multiple of the interval (absolute positions: each piece
+# continues from start_positions tokens already in its slot) goes into checkpoint_indices' slots in order.
+CK_CU = (0, 200, 264, 300, 301, 500)
+CK_START = (64, 0, 48, 32, 0)  # multiples of 16
+CK_IDX = (0, 1, 2, -1, 3)  # sequence 3 is padding
+CK_M = 7
+
+
+def _prefix_state(spec: dict[str, Any], inp: dict[str, Any], lo: int, tokens: int, h0: torch.Tensor) -> Any:
+    # The fp64 state after the first `tokens` tokens of the piece at lo, from h0.
+    part = {name: inp[name][:, lo:lo + tokens] for name in ("q", "k", "v", "g", "beta")}
+    part.update(A_log=inp["A_log"], dt_bias=inp["dt_bias"], initial_state=h0[None], cu_seqlens=None)
+    return cases.run_reference(spec, part)[1][0]
+
+
+CHECKPOINTS = [
+    ("lb_safe", "auto", SchedulePolicy(fused="off"), 32),
+    ("lb_safe", "auto", SchedulePolicy(fused="on"), 64),
+    ("lb_safe", "auto", SchedulePolicy(fused="on", fused_pair="off"), 16),
+    ("p_reset_vk_bbf16", "mma_sync", None, 48),
+    ("p_reset_vk_bbf16", "auto", SchedulePolicy(intracard_cp=64), 32),
+    ("lb_safe", "auto", SchedulePolicy(intracard_cp=128), 48),
+]
+
+
+@pytest.mark.parametrize(("spec_name", "family", "policy", "interval"), CHECKPOINTS,
+                         ids=[f"{n}-{f}-{p}-C{c}" for n, f, p, c in CHECKPOINTS])
+def test_prefix_cache_checkpoints(spec_name: str, family: str, policy: SchedulePolicy | None,
+                                  interval: int) -> None:
+    spec = cases.SPECS[spec_name]
+    kernel = _kernel(spec_name, family)
+    h = 2
+    inp = cases.build_inputs(spec, cases.VL(CK_CU, h, seed=13))
+    n = len(CK_CU) - 1
+    base, pool = _layers(spec, 4 + n * CK_M, h * spec["gva_ratio"])
+    idx = torch.tensor(CK_IDX, dtype=torch.int32, device="cuda")
+    start = torch.tensor(CK_START, dtype=torch.int64, device="cuda")
+    # Sequence s's checkpoints go to slots 4 + s * CK_M + m; every third one is skipped (-1).
+    ck = torch.tensor([[-1 if (s + m) % 3 == 2 else 4 + s * CK_M + m for m in range(CK_M)] for s in range(n)],
+                      dtype=torch.int32, device="cuda")
+    h0 = _h0(pool, idx, None)
+    before = base.clone()
+    o, _ = _call(kernel, inp, policy, state_pool=pool, state_indices=idx, checkpoint_interval=interval,
+                 start_positions=start, checkpoint_indices=ck)
+    torch.cuda.synchronize()
+
+    written = set()
+    for s_, slot in enumerate(CK_IDX):
+        if slot < 0:
+            continue
+        lo, length, first = CK_CU[s_], CK_CU[s_ + 1] - CK_CU[s_], CK_START[s_]
+        for m in range(CK_M):
+            p = (first // interval + 1 + m) * interval
+            target = int(ck[s_, m])
+            if p > first + length or target < 0:
+                continue
+            want = _prefix_state(spec, inp, lo, p - first, h0[s_])
+            label = f"checkpoint {m} of sequence {s_} (position {p}, slot {target})"
+            assert_close(label, want, pool[target], TOL)
+            written.add(target)
+        written.add(slot)
+    ref_o, ref_ht = cases.run_reference(spec, {**inp, "initial_state": h0})
+    for s_, slot in enumerate(CK_IDX):
+        if slot >= 0:
+            assert_close(f"pool[{slot}] (final state of sequence {s_})", ref_ht[s_], pool[slot], TOL)
+    for s in range(pool.shape[0]):
+        if s not in written:
+            assert torch.equal(base[s, 1], before[s, 1]), f"slot {s} was written, no checkpoint names it"
+    for layer in (0, 2):
+        assert torch.equal(base[:, layer], before[:, layer]), f"layer {layer} of the interleaved pool changed"
+    # The output is the plain pool call's, bit for bit: checkpoints only add stores.
+    pool.copy_(before[:, 1])
+    o_plain, _ = _call(kernel, inp, policy, state_pool=pool, state_indices=idx)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_plain), "checkpoints changed o"
+
+
+def test_a_start_off_the_16_token_grid_writes_no_checkpoint() -> None:
+    spec = cases.SPECS["lb_safe"]
+    kernel = cases.kernel_for("lb_safe")
+    inp = cases.build_inputs(spec, cases.VL((0, 100), 2, seed=17))
+    base, pool = _layers(spec, 6, 2)
+    before = base.clone()
+    _call(kernel, inp, state_pool=pool, state_indices=torch.tensor([0], dtype=torch.int32, device="cuda"),
+          checkpoint_interval=16, start_positions=torch.tensor([8], device="cuda"),
+          checkpoint_indices=torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(base[1:, 1], before[1:, 1]), "a checkpoint was written for a start off the grid"
