@@ -30,7 +30,10 @@ from kdagen.runtime import (
     _need,
     _prepared,
     _props,
+    check_has_initial_state,
     check_scale,
+    check_state_indices,
+    check_state_pool,
     has_data,
     remember,
     validate_inputs,
@@ -42,10 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_TOKENS", "validate_decode_inputs", "run_decode"]
 
 MAX_TOKENS = 8  # tokens a request: one, or a verify step's draft tokens plus one
-
-
-def _pool_shape(layout: str, hv: int, k: int, v: int) -> tuple[int, int, int]:
-    return (hv, k, v) if layout == "kv" else (hv, v, k)
 
 
 def validate_decode_inputs(
@@ -79,40 +78,10 @@ def validate_decode_inputs(
             f"q: expected at most {MAX_TOKENS} tokens a request ([N, S, H, K] with S <= {MAX_TOKENS}), got "
             f"S={seqlen}; a longer piece is a prefill (kernel(...) with state_pool)"))
     device = q.device
-    kdim, vdim = spec.head_dim_k, spec.head_dim_v
+    vdim = spec.head_dim_v
 
-    _need(isinstance(state_pool, torch.Tensor), lambda: (
-        f"state_pool: expected a torch.Tensor, got {type(state_pool).__name__}"))
-    want = _pool_shape(spec.state_layout, hv, kdim, vdim)
-    dims = "[P, HV, K, V]" if spec.state_layout == "kv" else "[P, HV, V, K]"
-    _need(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == want, lambda: (
-        f"state_pool: expected {dims} = [P, {', '.join(map(str, want))}] (state_layout "
-        f"{spec.state_layout!r}), got {list(state_pool.shape)}"))
-    _need(state_pool.dtype == torch.float32, lambda: (
-        f"state_pool: expected dtype torch.float32 (the spec's state_dtype), got {state_pool.dtype}"))
-    _need(state_pool.device == device, lambda: (
-        f"state_pool: expected a tensor on {device} (where q is), got {state_pool.device}"))
-    slot = want[0] * want[1] * want[2]
-    inner = (want[1] * want[2], want[2], 1)
-    _need(tuple(state_pool.stride()[1:]) == inner, lambda: (
-        f"state_pool: expected each slot compact (strides {list(inner)} after the slot's), got strides "
-        f"{list(state_pool.stride())}"))
-    _need(state_pool.shape[0] <= 1 or state_pool.stride(0) >= slot, lambda: (
-        f"state_pool: expected a slot stride of at least a slot's {slot} elements, got "
-        f"{state_pool.stride(0)}"))
-    aligned = not has_data(state_pool) or state_pool.data_ptr() % 16 == 0
-    _need(aligned and (state_pool.stride(0) * 4) % 16 == 0,
-          "state_pool: expected 16-byte aligned slots (the base pointer and the slot stride in bytes)")
-
-    _need(isinstance(state_indices, torch.Tensor), lambda: (
-        f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}"))
-    _need(state_indices.dtype in (torch.int32, torch.int64), lambda: (
-        f"state_indices: expected dtype torch.int32 or torch.int64, got {state_indices.dtype}"))
-    _need(state_indices.device == device, lambda: (
-        f"state_indices: expected a tensor on {device} (where q is), got {state_indices.device}"))
-    _need(state_indices.dim() in (1, 2) and state_indices.shape[0] == nreq, lambda: (
-        f"state_indices: expected [N] or [N, M] with N = {nreq} requests, got {list(state_indices.shape)}"))
-    cols = 1 if state_indices.dim() == 1 else state_indices.shape[1]
+    check_state_pool(spec, state_pool, hv, device)
+    cols = check_state_indices(state_indices, nreq, device, unit="requests", columns=True)
     _need(cols >= 1, "state_indices: expected at least one column")
     if cu_seqlens is None and cols > 1:
         _need(cols == seqlen, lambda: (
@@ -130,11 +99,7 @@ def validate_decode_inputs(
         _need(cols > 1, "num_accepted_tokens: given, but state_indices has one column ([N, M] with M > 1 "
               "names the slot after each token)")
     if has_initial_state is not None:
-        t = has_initial_state
-        _need(isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.shape == (nreq,), lambda: (
-            f"has_initial_state: expected a bool tensor [N] = [{nreq}], got "
-            f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}"))
-        _need(t.device == device, lambda: f"has_initial_state: expected a tensor on {device}, got {t.device}")
+        check_has_initial_state(has_initial_state, nreq, device)
     if out is not None:
         dt = q.dtype
         _need(isinstance(out, torch.Tensor) and tuple(out.shape) == (bsz, seqlen, hv, vdim)

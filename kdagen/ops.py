@@ -12,6 +12,12 @@ num_accepted_tokens, has_initial_state, update_state, cu_seqlens, out) -> o``
   the whole identity of the kernel and the graph holds it as a constant.
 - ``policy_json`` is None (the kernel's own scheduling) or the JSON of `kdagen.policy.SchedulePolicy`'s
   fields (`policy_json(policy)` here).
+- ``torch.ops.kdagen.forward_pool(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, cu_seqlens,
+  policy_json, state_pool, state_indices, has_initial_state, checkpoint_interval, start_positions,
+  checkpoint_indices) -> o`` is the forward on a slot-indexed state pool, with optional prefix-cache
+  checkpoints into its slots (the runtime's contract): it mutates ``state_pool`` (declared, so
+  functionalization sees it), and its fake implementation gives ``o``. A mutating op takes no autograd
+  formula: the runtime's own check refuses inputs that require grad when it is called with grad enabled.
 - ``forward`` mutates nothing. ``final_state`` is an empty fp32 tensor when ``output_final_state`` is False
   (a custom op returns tensors, not None); `kda_forward` turns it back into None.
 - ``decode`` is `KDAKernel.decode` (`kdagen.decode` has the contract): it writes ``state_pool`` in place and,
@@ -50,12 +56,15 @@ import torch
 import kdagen
 from kdagen.decode import validate_decode_inputs
 from kdagen.errors import InputError
-from kdagen.runtime import _check_no_grad, check_scale, refuse_grad
+from kdagen.runtime import _check_no_grad, check_scale, check_state_form, refuse_grad
 from kdagen.spec import KernelSpec, resolve_spec
 
-__all__ = ["kda_forward", "kda_decode", "spec_json", "policy_json", "OP_NAME", "DECODE_OP_NAME"]
+__all__ = [
+    "kda_forward", "kda_decode", "spec_json", "policy_json", "OP_NAME", "POOL_OP_NAME", "DECODE_OP_NAME",
+]
 
 OP_NAME = "kdagen::forward"
+POOL_OP_NAME = "kdagen::forward_pool"
 DECODE_OP_NAME = "kdagen::decode"
 
 # Parsed JSON per string: the ops see the same few strings on every call.
@@ -208,6 +217,60 @@ def _backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op(POOL_OP_NAME, mutates_args=("state_pool",))
+def _forward_pool(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    kernel = kdagen.get_kernel(_fields(spec_json))
+    ckpt = {} if checkpoint_interval is None and start_positions is None and checkpoint_indices is None else {
+        "checkpoint_interval": checkpoint_interval, "start_positions": start_positions,
+        "checkpoint_indices": checkpoint_indices}
+    o, _ = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                  policy=_policy(policy_json), state_pool=state_pool, state_indices=state_indices,
+                  has_initial_state=has_initial_state, **ckpt)
+    return o
+
+
+@_forward_pool.register_fake
+def _forward_pool_fake(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    vdim = _fields(spec_json)["head_dim_v"]
+    return q.new_empty((v.shape[0], v.shape[1], v.shape[2], vdim))
+
+
 def kda_forward(
     spec: KernelSpec | dict[str, Any] | str,
     q: torch.Tensor,
@@ -223,18 +286,34 @@ def kda_forward(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     policy: Any = None,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(o, final_state or None)`` of the KDA forward of `spec` through the ``kdagen::forward`` op.
+    """``(o, final_state or None)`` of the KDA forward of `spec` through the ``kdagen::forward`` op; with
+    ``state_pool`` through ``kdagen::forward_pool``: ``(o, None)``, the final states (and the prefix-cache
+    checkpoints) written into the pool in place.
 
     The arguments are the runtime's (`kdagen.runtime.KDAKernel.__call__`); `spec` is a `KernelSpec`, a dict
     of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
     object whose `spec_json` was taken outside the compiled region) so that nothing is resolved while
     tracing."""
     _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                    "initial_state": initial_state})
-    o, ht = torch.ops.kdagen.forward(
-        spec_json(spec), q, k, v, g, beta, _op_scale(scale, q.shape[-1]), A_log, dt_bias, initial_state,
-        output_final_state, cu_seqlens, policy_json(policy))
+                    "initial_state": initial_state, "state_pool": state_pool})
+    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
+                     checkpoint_interval, start_positions, checkpoint_indices)
+    scale = _op_scale(scale, q.shape[-1])
+    if state_pool is not None:
+        o = torch.ops.kdagen.forward_pool(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias,
+                                          cu_seqlens, policy_json(policy), state_pool, state_indices,
+                                          has_initial_state, checkpoint_interval, start_positions,
+                                          checkpoint_indices)
+        return o, None
+    o, ht = torch.ops.kdagen.forward(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
+                                     output_final_state, cu_seqlens, policy_json(policy))
     return o, (ht if output_final_state else None)
 
 

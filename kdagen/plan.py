@@ -190,13 +190,13 @@ def _fused_smem_bytes(
 ) -> int:
     """Shared memory of one fused CTA (templates/wgmma/fused.py.j2): the ring (kd, qd, Ak, Aq, v, gt a stage)
     and each prepare warp's tiles (q and k in padded rows, fp16 kr, the whole g tile, beta, L, P^T, Mqk), plus
-    the barriers, the chain queue (an entry and the head's dt_bias and exp(A_log) a slot) and the 1 KB
-    alignment of the four wgmma images."""
+    the barriers, the chain queue (an entry of 8 words and the head's dt_bias and exp(A_log) a slot) and the
+    1 KB alignment of the four wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
     stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * nbytes(spec.g_dtype) + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
-    queue = FUSED_QUEUE * (2 * 8 + 5 * 4 + k * 4)
+    queue = FUSED_QUEUE * (2 * 8 + 9 * 4 + k * 4)
     return stages * stage + prep_warps * per_warp + 2 * stages * 8 + queue + 4 * 1024
 
 

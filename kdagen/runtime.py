@@ -13,13 +13,30 @@ Contract (what is validated, what is the caller's duty):
   makes) and computes the clamped offsets; decreasing values give unspecified results.
   Tokens past cu_seqlens[-1] get o = 0.
 - initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
+- Or a slot-indexed state pool, read and written in place (exclusive with initial_state and
+  output_final_state): state_pool fp32 [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`), compact within a
+  slot, any slot stride at least a slot's size (a pool may interleave layers), 16-byte aligned;
+  state_indices int32/int64 [N] on q's device: sequence n reads its initial state from slot idx[n] and
+  writes its final state back there; a negative index is padding (nothing read or written, o = 0 for its
+  tokens). has_initial_state bool [N] (optional): False starts that sequence from zero without the caller
+  clearing its slot. Indices must be < P, and the live sequences' slots distinct (the caller's duty:
+  checking would synchronise); slot arithmetic is 64-bit.
+- Prefix-cache checkpoints (a pool only): checkpoint_interval C, a positive multiple of 16 tokens;
+  checkpoint_indices int32/int64 [N, M]; start_positions int32/int64 [N] (optional, else 0): the tokens
+  already in sequence n's state, so its piece covers absolute positions start .. start + len. The state at
+  every absolute position p that is a multiple of C with start < p <= start + len (the state after the
+  request's first p tokens) is written to pool slot checkpoint_indices[n, m], m = 0, 1, ... in order; a
+  negative index, or m >= M, skips it. start_positions[n] must be a multiple of 16 and >= 0 (the caller's
+  duty; a piece that starts elsewhere writes no checkpoints). Checkpoint slots must differ from every slot
+  the call reads.
 - A_log: fp32 [HV]; dt_bias: fp32, exactly [HV * K] (as FLA takes it) or [HV, K]; no other shape with as many
   elements is accepted. H >= 1.
 - scale: None (K ** -0.5) or a finite real number > 0 (a Python or NumPy scalar, not a tensor or a bool).
 - The kernels are forward-only: with torch grad mode enabled, an input that requires grad is refused (the
   backward is not available); run under `torch.no_grad()` / `torch.inference_mode()` or detach the inputs.
 - Sizes must fit the kernels' 32-bit index arithmetic: B*T*H*K (q, k), B*T*HV*K (g and the per-token
-  workspace rows), B*T*HV*V (v, o) and N*HV*K*V (the states) are each at most 2**31 - 1 elements.
+  workspace rows), B*T*HV*V (v, o) and N*HV*K*V (the compact states; not a pool's) are each at most
+  2**31 - 1 elements.
 - No host-device synchronisation, so a call can be captured in a CUDA graph.
 """
 
@@ -96,16 +113,29 @@ def _props(t: Any) -> tuple | None:
 
 
 def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any, initial_state: Any,
-               cu_seqlens: Any) -> tuple | None:
-    """Everything the argument checks read (type, shape, dtype, device of each tensor), or None when a call
-    must be checked in full: cu_seqlens on the CPU (its values are checked) or an argument that is not a
-    tensor (the checks then raise the error that names it)."""
+               cu_seqlens: Any, state_pool: Any = None, state_indices: Any = None,
+               has_initial_state: Any = None, output_final_state: Any = False,
+               checkpoint_interval: Any = None, start_positions: Any = None,
+               checkpoint_indices: Any = None) -> tuple | None:
+    """Everything the argument checks read (type, shape, dtype, device of each tensor; a pool's strides and
+    alignment, and whether a compact final state is asked for beside it), or None when a call must be
+    checked in full: cu_seqlens on the CPU (its values are checked) or an argument that is not a tensor
+    (the checks then raise the error that names it)."""
     try:
         cu = _props(cu_seqlens)
         if cu is not None and cu[3].type == "cpu":
             return None
+        pool = None
+        if state_pool is not None or state_indices is not None or has_initial_state is not None \
+                or checkpoint_interval is not None or start_positions is not None \
+                or checkpoint_indices is not None:
+            if checkpoint_interval is not None and type(checkpoint_interval) is not int:
+                return None  # (checked in full: the check names it)
+            pool = (_props(state_pool), state_pool.stride(), state_pool.data_ptr() % _ALIGN,
+                    _props(state_indices), _props(has_initial_state), bool(output_final_state),
+                    checkpoint_interval, _props(start_positions), _props(checkpoint_indices))
         return (_props(q), _props(k), _props(v), _props(g), _props(beta), _props(A_log), _props(dt_bias),
-                _props(initial_state), cu, torch.is_grad_enabled())
+                _props(initial_state), cu, torch.is_grad_enabled(), pool)
     except AttributeError:
         return None
 
@@ -191,11 +221,13 @@ def validate_inputs(
     cu_seqlens: Any = None,
     *,
     require_cuda: bool = True,
+    compact_state: bool = True,
 ) -> tuple[int, int, int, int, int]:
     """Every check of a call's tensor arguments for `spec` (InputError naming the argument and what was
     expected); returns (B, T, H, HV, N). Nothing here needs a GPU; `require_cuda=False` leaves out the check
     that q is a CUDA tensor, so the other checks can be run on CPU, meta or fake tensors (the values of a
-    meta or fake cu_seqlens are not read)."""
+    meta or fake cu_seqlens are not read). `compact_state=False`: the states live in a pool
+    (`check_state_pool`), so the 32-bit limit of compact [N, ...] states does not apply."""
     kdim, vdim = spec.head_dim_k, spec.head_dim_v
     dt = _TORCH_DTYPE[spec.dtype]
     # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
@@ -255,11 +287,179 @@ def validate_inputs(
     _check_fits_int32("q/k", {"B": bsz, "T": seqlen, "H": nh, "K": kdim})
     _check_fits_int32("g", {"B": bsz, "T": seqlen, "HV": hv, "K": kdim})
     _check_fits_int32("v/o", {"B": bsz, "T": seqlen, "HV": hv, "V": vdim})
-    _check_fits_int32("state", {"N": nseq, "HV": hv, "K": kdim, "V": vdim})
+    if compact_state:
+        _check_fits_int32("state", {"N": nseq, "HV": hv, "K": kdim, "V": vdim})
 
     _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                     "initial_state": initial_state})
     return bsz, seqlen, nh, hv, nseq
+
+
+def slot_shape(spec: KernelSpec, hv: int) -> tuple[int, int, int]:
+    """The shape of one slot of a state pool (the state of one sequence) in the spec's layout."""
+    return state_shape(spec, 1, hv)[1:]  # type: ignore[return-value]
+
+
+def check_state_pool(spec: KernelSpec, state_pool: Any, hv: int, device: torch.device) -> None:
+    """InputError unless `state_pool` is an fp32 pool [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`) on
+    `device`, compact within a slot, with a slot stride of at least a slot's size (any larger one: a pool
+    may interleave layers) and 16-byte aligned slots. Decode and the forward on a pool share it."""
+    _need(isinstance(state_pool, torch.Tensor), lambda: (
+        f"state_pool: expected a torch.Tensor, got {type(state_pool).__name__}"))
+    want = slot_shape(spec, hv)
+    dims = "[P, HV, K, V]" if spec.state_layout == "kv" else "[P, HV, V, K]"
+    _need(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == want, lambda: (
+        f"state_pool: expected {dims} = [P, {', '.join(map(str, want))}] (state_layout "
+        f"{spec.state_layout!r}), got {list(state_pool.shape)}"))
+    _need(state_pool.dtype == torch.float32, lambda: (
+        f"state_pool: expected dtype torch.float32 (the spec's state_dtype), got {state_pool.dtype}"))
+    _need(state_pool.device == device, lambda: (
+        f"state_pool: expected a tensor on {device} (where q is), got {state_pool.device}"))
+    slot = want[0] * want[1] * want[2]
+    inner = (want[1] * want[2], want[2], 1)
+    _need(tuple(state_pool.stride()[1:]) == inner, lambda: (
+        f"state_pool: expected each slot compact (strides {list(inner)} after the slot's), got strides "
+        f"{list(state_pool.stride())}"))
+    _need(state_pool.shape[0] <= 1 or state_pool.stride(0) >= slot, lambda: (
+        f"state_pool: expected a slot stride of at least a slot's {slot} elements, got "
+        f"{state_pool.stride(0)}"))
+    aligned = not has_data(state_pool) or state_pool.data_ptr() % _ALIGN == 0
+    _need(aligned and (state_pool.stride(0) * state_pool.element_size()) % _ALIGN == 0, lambda: (
+        "state_pool: expected 16-byte aligned slots (the base pointer and the slot stride in bytes)"))
+
+
+def check_state_indices(state_indices: Any, n: int, device: torch.device, *, unit: str,
+                        columns: bool = False) -> int:
+    """InputError unless `state_indices` is an int32/int64 tensor on `device` of shape [N] (or, with
+    `columns`, [N, M]) for the call's `n` sequences or requests (`unit` names them in the message); returns
+    M (1 for [N])."""
+    _need(isinstance(state_indices, torch.Tensor), lambda: (
+        f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}"))
+    _need(state_indices.dtype in (torch.int32, torch.int64), lambda: (
+        f"state_indices: expected dtype torch.int32 or torch.int64, got {state_indices.dtype}"))
+    _need(state_indices.device == device, lambda: (
+        f"state_indices: expected a tensor on {device} (where q is), got {state_indices.device}"))
+    dims = (1, 2) if columns else (1,)
+    form = "[N] or [N, M]" if columns else "[N]"
+    _need(state_indices.dim() in dims and state_indices.shape[0] == n, lambda: (
+        f"state_indices: expected {form} with N = {n} {unit}, got {list(state_indices.shape)}"))
+    return 1 if state_indices.dim() == 1 else state_indices.shape[1]
+
+
+def check_has_initial_state(has_initial_state: Any, n: int, device: torch.device) -> None:
+    """InputError unless `has_initial_state` is a bool tensor [N] on `device`."""
+    t = has_initial_state
+    _need(isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.shape == (n,), lambda: (
+        f"has_initial_state: expected a bool tensor [N] = [{n}], got "
+        f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}"))
+    _need(t.device == device, lambda: f"has_initial_state: expected a tensor on {device}, got {t.device}")
+
+
+def check_state_form(state_pool: Any, state_indices: Any, has_initial_state: Any, initial_state: Any,
+                     output_final_state: Any, checkpoint_interval: Any = None, start_positions: Any = None,
+                     checkpoint_indices: Any = None) -> None:
+    """InputError where a forward call mixes the two forms of its states: compact (initial_state,
+    output_final_state) and a pool (state_pool with state_indices, optionally has_initial_state and
+    prefix-cache checkpoints), or gives checkpoint arguments without checkpoint_interval."""
+    if checkpoint_interval is None:
+        _need(checkpoint_indices is None, "checkpoint_indices: given without checkpoint_interval (the tokens "
+              "between checkpoints)")
+        _need(start_positions is None, "start_positions: given without checkpoint_interval (it places the "
+              "checkpoints)")
+    if state_pool is None:
+        _need(checkpoint_interval is None, "checkpoint_interval: given without state_pool (checkpoints are "
+              "written into pool slots)")
+        _need(state_indices is None,
+              "state_indices: given without state_pool (the pool whose slots it names)")
+        _need(has_initial_state is None, "has_initial_state: given without state_pool; it flags the pool "
+              "slots to read (with compact states, pass initial_state or not)")
+        return
+    _need(initial_state is None, "initial_state: given together with state_pool; pass the initial states "
+          "either compact (initial_state) or in the pool (state_pool with state_indices), not both")
+    _need(not output_final_state, "output_final_state: True together with state_pool; the final states "
+          "are written back into the pool's slots in place, and no compact final state is returned")
+    _need(state_indices is not None, "state_indices: required with state_pool (one slot per sequence)")
+
+
+def check_checkpoints(checkpoint_interval: Any, start_positions: Any, checkpoint_indices: Any, n: int,
+                      device: torch.device) -> None:
+    """InputError unless the prefix-cache checkpoint arguments are a positive multiple of 16 tokens
+    (checkpoint_interval), int32/int64 [N, M] pool slots on `device` (checkpoint_indices) and, where given,
+    int32/int64 [N] start positions on `device`."""
+    c = checkpoint_interval
+    _need(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c > 0 and c % CHUNK == 0, lambda: (
+        f"checkpoint_interval: expected a positive multiple of {CHUNK} (tokens between checkpoints), got "
+        f"{c!r}"))
+    t = checkpoint_indices
+    _need(t is not None, "checkpoint_indices: required with checkpoint_interval ([N, M] pool slots)")
+    _need(isinstance(t, torch.Tensor),
+          lambda: f"checkpoint_indices: expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype in (torch.int32, torch.int64), lambda: (
+        f"checkpoint_indices: expected dtype torch.int32 or torch.int64, got {t.dtype}"))
+    _need(t.device == device, lambda: f"checkpoint_indices: expected a tensor on {device}, got {t.device}")
+    _need(t.dim() == 2 and t.shape[0] == n and t.shape[1] >= 1, lambda: (
+        f"checkpoint_indices: expected [N, M] with N = {n} sequences and M >= 1, got {list(t.shape)}"))
+    if start_positions is not None:
+        p = start_positions
+        _need(isinstance(p, torch.Tensor) and p.dim() == 1 and p.shape[0] == n, lambda: (
+            f"start_positions: expected a tensor [N] = [{n}], got "
+            f"{list(getattr(p, 'shape', [type(p).__name__]))}"))
+        _need(p.dtype in (torch.int32, torch.int64), lambda: (
+            f"start_positions: expected dtype torch.int32 or torch.int64, got {p.dtype}"))
+        _need(p.device == device, lambda: f"start_positions: expected a tensor on {device}, got {p.device}")
+
+
+def validate_forward_inputs(
+    spec: KernelSpec,
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    A_log: Any = None,
+    dt_bias: Any = None,
+    initial_state: Any = None,
+    cu_seqlens: Any = None,
+    state_pool: Any = None,
+    state_indices: Any = None,
+    has_initial_state: Any = None,
+    output_final_state: Any = False,
+    checkpoint_interval: Any = None,
+    start_positions: Any = None,
+    checkpoint_indices: Any = None,
+    *,
+    require_cuda: bool = True,
+) -> tuple[int, int, int, int, int]:
+    """Every check of a forward call (`KDAKernel.__call__`): `validate_inputs`, and with ``state_pool`` the
+    pool form's (the pool, the indices, has_initial_state, the checkpoints; neither initial_state nor
+    output_final_state beside it). Returns (B, T, H, HV, N)."""
+    check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
+                     checkpoint_interval, start_positions, checkpoint_indices)
+    if state_pool is None:
+        return validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                               require_cuda=require_cuda)
+    sizes = validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens,
+                            require_cuda=require_cuda, compact_state=False)
+    _bsz, _seqlen, _nh, hv, nseq = sizes
+    device = q.device
+    check_state_pool(spec, state_pool, hv, device)
+    check_state_indices(state_indices, nseq, device, unit="sequences")
+    if has_initial_state is not None:
+        check_has_initial_state(has_initial_state, nseq, device)
+    if checkpoint_interval is not None:
+        check_checkpoints(checkpoint_interval, start_positions, checkpoint_indices, nseq, device)
+    _check_no_grad({"state_pool": state_pool})  # (validate_inputs checked q, k, v, g, beta, A_log, dt_bias)
+    return sizes
+
+
+def _zero_fresh_slots(state_pool: torch.Tensor, idx: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+    # A call with no tokens launches no kernel, yet a sequence that starts from zero (has_initial_state
+    # False) still ends with a zero state in its slot. On the device, without a synchronisation: the slots
+    # to clear are marked by a scatter, then cleared in one masked fill.
+    fresh = (idx >= 0) & ~has_initial_state
+    marks = torch.zeros(state_pool.shape[0], dtype=torch.int32, device=state_pool.device)
+    marks.index_add_(0, idx.clamp(min=0).long(), fresh.to(torch.int32))
+    state_pool.masked_fill_((marks > 0).view(-1, 1, 1, 1), 0.0)
 
 
 class KDAKernel:
@@ -422,9 +622,18 @@ class KDAKernel:
         dt_bias: Any,
         initial_state: Any,
         cu_seqlens: Any,
+        state_pool: Any = None,
+        state_indices: Any = None,
+        has_initial_state: Any = None,
+        output_final_state: Any = False,
+        checkpoint_interval: Any = None,
+        start_positions: Any = None,
+        checkpoint_indices: Any = None,
     ) -> tuple[int, int, int, int, int]:
         """Every check of a call's arguments (InputError naming the argument); returns (B, T, H, HV, N)."""
-        return validate_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        return validate_forward_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                       state_pool, state_indices, has_initial_state, output_final_state,
+                                       checkpoint_interval, start_positions, checkpoint_indices)
 
     def __call__(
         self,
@@ -441,12 +650,23 @@ class KDAKernel:
         output_final_state: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         policy: SchedulePolicy | None = None,
+        state_pool: torch.Tensor | None = None,
+        state_indices: torch.Tensor | None = None,
+        has_initial_state: torch.Tensor | None = None,
+        checkpoint_interval: int | None = None,
+        start_positions: torch.Tensor | None = None,
+        checkpoint_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of the spec: ``(o, final_state or None)``.
 
-        `policy` (a `kdagen.policy.SchedulePolicy`) schedules this call instead of the kernel's own
-        (`with_policy` makes a kernel view that keeps one); scheduling never changes the results beyond the
-        rounding of the chosen path (the fused paths are bit-identical to the two-stage path)."""
+        With ``state_pool`` and ``state_indices`` (the module's contract) each sequence starts from its
+        pool slot (or from zero where ``has_initial_state`` is False) and its final state is written back
+        into that slot in place: ``(o, None)``; with ``checkpoint_interval`` and ``checkpoint_indices`` the
+        states at every multiple of the interval (absolute positions, from ``start_positions``) go into the
+        pool too. `policy` (a `kdagen.policy.SchedulePolicy`) schedules this
+        call instead of the kernel's own (`with_policy` makes a kernel view that keeps one); scheduling
+        never changes the results beyond the rounding of the chosen path (the fused paths are bit-identical
+        to the two-stage path)."""
         spec = self.spec
         kdim, vdim = spec.head_dim_k, spec.head_dim_v
         dt = _TORCH_DTYPE[spec.dtype]
@@ -454,22 +674,30 @@ class KDAKernel:
         # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
         # The checks depend only on the properties in `sig`, so a call whose signature was validated before
         # skips them (a small call is bound by host time, and the checks were ~15 us of it on an H100 host).
-        sig = _signature(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        sig = _signature(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
+                         state_indices, has_initial_state, output_final_state, checkpoint_interval,
+                         start_positions, checkpoint_indices)
         sizes = self._validated.get(sig) if sig is not None else None
         if sizes is None:
-            sizes = self._validate(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+            sizes = self._validate(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
+                                   state_indices, has_initial_state, output_final_state, checkpoint_interval,
+                                   start_positions, checkpoint_indices)
             if sig is not None:
                 remember(self._validated, sig, sizes)
         bsz, seqlen, nh, hv, nseq = sizes
         total = bsz * seqlen
         device = q.device
         scale = check_scale(scale, kdim)
+        pooled = state_pool is not None
 
         # ---- nothing to launch for empty inputs ----
         if total == 0 or nseq == 0:
             o = torch.zeros((bsz, seqlen, hv, vdim), dtype=dt, device=device)
             ht = None
-            if output_final_state:
+            if pooled:
+                if nseq and has_initial_state is not None:
+                    _zero_fresh_slots(state_pool, state_indices, has_initial_state)
+            elif output_final_state:
                 ht = torch.zeros(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
                 if initial_state is not None:
                     ht.copy_(initial_state)
@@ -486,17 +714,45 @@ class KDAKernel:
         q, k, v, g, beta = _prepared(q), _prepared(k), _prepared(v), _prepared(g), _prepared(beta)
 
         gate_args = self._gate_args(A_log, dt_bias, hv, device)
-        unused = self._cached(("state", device, hv), lambda: torch.zeros(
-            self._state_shape(1, hv), dtype=torch.float32, device=device))
-        h0 = _prepared(initial_state) if initial_state is not None else unused
+        ht = None
+        if pooled:
+            # The pool is read and written in place (h0 and ht are the same tensor, its slot stride passed
+            # as it is); the kernels take the slots as int32 and the flags as bytes.
+            h0 = ht_arg = state_pool
+            idx = _prepared(state_indices if state_indices.dtype == torch.int32
+                            else state_indices.to(torch.int32))
+            init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+            if has_initial_state is not None:
+                init = _prepared(has_initial_state.view(torch.uint8))
+            has_h0, store_ht = (1 if has_initial_state is None else 2), 1
+        else:
+            unused = self._cached(("state", device, hv), lambda: torch.zeros(
+                self._state_shape(1, hv), dtype=torch.float32, device=device))
+            h0 = _prepared(initial_state) if initial_state is not None else unused
+            idx = self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+            init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+            if output_final_state:
+                ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
+            ht_arg = ht if ht is not None else unused
+            has_h0, store_ht = int(initial_state is not None), int(ht is not None)
+        # Prefix-cache checkpoints: the pieces' start positions (absent: the one-element zero, which the
+        # kernels extend with zeros) and the checkpoints' slots, or one-element dummies with every = 0.
+        start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        ckpt = self._cached(("ckpt", device), lambda: torch.zeros((1, 1), dtype=torch.int32, device=device))
+        every = 0
+        if checkpoint_interval is not None:
+            every = checkpoint_interval // CHUNK
+            ckpt = _prepared(checkpoint_indices if checkpoint_indices.dtype == torch.int32
+                             else checkpoint_indices.to(torch.int32))
+            if start_positions is not None:
+                start = _prepared(start_positions if start_positions.dtype == torch.int32
+                                  else start_positions.to(torch.int32))
+        states = (h0, ht_arg, idx, init, start, ckpt)
 
         # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
         ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
         buf = torch.empty((ws.size // workspace.ROW, workspace.ROW), dtype=torch.uint8, device=device)
         o = torch.empty((bsz, seqlen, hv, vdim), dtype=dt, device=device)
-        ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device) \
-            if output_final_state else None
-        ht_arg = ht if ht is not None else unused
 
         stream_scope = self._stream_scope(device)
         sms = self._sm_count(device)
@@ -510,10 +766,9 @@ class KDAKernel:
                 # recurrence's CTAs take the SMs as prepare's CTAs leave, with no wait for the last of them.
                 # Tokens past cu_seqlens[-1] (engine padding) get o = 0 from the recurrence itself.
                 prepare_ctas = max(1, min(items, self._prepare_ctas[1 if sched.beside else 0] * sms))
-                self._forward(q, k, g, beta, *gate_args, cu, v, h0, ht_arg, o, buf, ws.qd, ws.akt, ws.aq,
-                              ws.gt, ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1,
-                              int(initial_state is not None), int(ht is not None), int(sched.by_length),
-                              *sched.fused_args)
+                self._forward(q, k, g, beta, *gate_args, cu, v, *states, o, buf, ws.qd, ws.akt, ws.aq, ws.gt,
+                              ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1, has_h0, store_ht,
+                              int(pooled), every, int(sched.by_length), *sched.fused_args)
                 return o, ht
             buf = buf.view(-1)
             kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
@@ -536,6 +791,9 @@ class KDAKernel:
             cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
             seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
             prescan(kd, qd, akt, aq, gt, v2, cu, cp_maps, seg_len)
-            merge(cp_maps, cu, h0, seg_h0, int(initial_state is not None), seg_len)
-            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, o2, seg_len, int(ht is not None))
+            # The merge reads each sequence's initial state, the segment pass writes its final one (on a
+            # pool, the same slot: the merge has read it by then).
+            merge(cp_maps, cu, h0, idx, init, seg_h0, has_h0, int(pooled), seg_len)
+            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, idx, start, ckpt, store_ht, int(pooled),
+                     every, o2, seg_len)
         return o, ht

@@ -19,10 +19,15 @@ __all__ = [
     "wait_flag",
     "wait_ready_group",
     "map_planes",
+    "state_slots",
+    "checkpoint_first",
+    "checkpoint_slot",
+    "checkpoint_step",
     "state_load",
     "state_store",
     "store_o_step",
     "cu_at",
+    "zero_rows",
     "zero_padding_tail",
     "find_run",
     "seq_of_slice",
@@ -119,10 +124,96 @@ def map_planes(mMaps: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, k: cu
 
 
 @cute.jit
+def state_slots(mIdx: cute.Tensor, mInit: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32,
+                has_h0: cutlass.Int32, store_ht: cutlass.Int32, pooled: cutlass.Int32):
+    # (slot read, slot written, padding) of sequence `seq`'s state, read once per sequence. A slot of -1 is
+    # none: the state starts from zero, or is not written. The compact form (pooled = 0) keeps state n in
+    # slot n; on a pool (pooled = 1) the slot is state_indices[seq] and a negative one marks a padding
+    # sequence (padding = 1: nothing read or written, o = 0). has_h0: 0 reads no state, 1 every sequence's
+    # slot, 2 the slots whose has_initial_state byte mInit[seq] is set. seq = num_seqs (the recurrence's
+    # padding-tail slice) has no state.
+    slot = cutlass.Int32(-1)
+    pad = cutlass.Int32(0)
+    if seq < num_seqs:
+        slot = seq
+        if pooled != 0:
+            slot = mIdx[seq]
+            if slot < 0:
+                slot = cutlass.Int32(-1)
+                pad = cutlass.Int32(1)
+    slot_in = slot
+    if has_h0 == 0:
+        slot_in = cutlass.Int32(-1)
+    if has_h0 == 2 and slot >= 0:
+        if mInit[seq] == 0:
+            slot_in = cutlass.Int32(-1)
+    slot_out = slot
+    if store_ht == 0:
+        slot_out = cutlass.Int32(-1)
+    return slot_in, slot_out, pad
+
+
+@cute.jit
+def checkpoint_first(mStart: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32, every: cutlass.Int32,
+                     step0: cutlass.Int32, bt: cutlass.Constexpr):
+    # Prefix-cache checkpoints of sequence `seq`: (the first step at or after step0 whose end is one, its
+    # checkpoint number), or (-1, 0) for none. The piece starts at absolute position start_positions[seq]
+    # (tokens already in the state); checkpoint m is the state at the m-th multiple of C = every * bt past
+    # it. With a start that is a multiple of bt they fall on step ends, every `every` steps from the first;
+    # a start that is not (the caller's duty) takes none: those states are never formed. Sequences past
+    # mStart's length start at 0 (the runtime passes a one-element zero when no positions are given).
+    nxt = cutlass.Int32(-1)
+    m = cutlass.Int32(0)
+    if every > 0 and seq < num_seqs:
+        start = cutlass.Int32(0)
+        if seq < mStart.shape[0]:
+            start = cutlass.max(mStart[seq], 0)
+        if start % bt == 0:
+            first = (every * bt - start % (every * bt)) // bt - 1
+            nxt = first
+            if step0 > first:
+                m = (step0 - first + every - 1) // every
+                nxt = first + m * every
+    return nxt, m
+
+
+@cute.jit
+def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32) -> cutlass.Int32:
+    # The pool slot of checkpoint m of sequence seq: checkpoint_indices[seq, m], or -1 (skip) past its M
+    # columns or where the caller put a negative index.
+    slot = cutlass.Int32(-1)
+    if m < mCk.shape[1]:
+        slot = mCk[seq, m]
+    return slot
+
+
+@cute.jit
+def checkpoint_step(acc_s: cute.Tensor, coord_s: cute.Tensor, mHt: cute.Tensor, mCk: cute.Tensor,
+                    seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32, step: cutlass.Int32,
+                    rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32, every: cutlass.Int32,
+                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+    # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
+    # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 + coord_s[i][0], key
+    # columns coord_s[i][1]) goes to its pool slot, and the next checkpoint is `every` steps on. A partial
+    # last step ends short of its checkpoint: no write. One compare a step otherwise. Returns (ck_next,
+    # ck_m): the caller rebinds them in its step loop.
+    if step == ck_next and rows >= bt:
+        slot = checkpoint_slot(mCk, seq, ck_m)
+        if slot >= 0:
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                state_store(mHt, slot, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
+        ck_m = ck_m + 1
+        ck_next = ck_next + every
+    return ck_next, ck_m
+
+
+@cute.jit
 def state_load(mS: cute.Tensor, n: cutlass.Int32, hv: cutlass.Int32, vr: cutlass.Int32, kc: cutlass.Int32,
                kv_layout: cutlass.Constexpr):
-    # Element (value row vr, key column kc) of state n: mS is [N, HV, K, V] with kv_layout, else
-    # [N, HV, V, K] (the recurrences and the merge read S^T entries this way).
+    # Element (value row vr, key column kc) of the state in slot n: mS is [slots, HV, K, V] with kv_layout,
+    # else [slots, HV, V, K], compact within a slot, the slot stride a dynamic 64-bit stride (a pool may
+    # interleave layers, and slot x stride may pass 2^31 elements). The recurrences and the merge read S^T
+    # entries this way.
     x = cutlass.Float32(0.0)
     if cutlass.const_expr(kv_layout):
         x = mS[n, hv, kc, vr]
@@ -171,15 +262,23 @@ def cu_at(mCu: cute.Tensor, j: cutlass.Int32, num_tokens: cutlass.Int32) -> cutl
 
 
 @cute.jit
+def zero_rows(mO: cute.Tensor, t0: cutlass.Int32, t1: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
+              tidx: cutlass.Int32, bv: cutlass.Constexpr, num_threads: cutlass.Constexpr,
+              dtype: cutlass.Constexpr):
+    # o = 0 for tokens t0 .. t1 - 1 in head hv and bv value columns from v0, by num_threads threads (thread
+    # tidx): the o of tokens no recurrence step writes (engine padding, a padding sequence of a pool).
+    for idx in range(tidx, (t1 - t0) * bv, num_threads):
+        mO[t0 + idx // bv, hv, v0 + idx % bv] = dtype(0.0)
+
+
+@cute.jit
 def zero_padding_tail(mO: cute.Tensor, mCu: cute.Tensor, hv: cutlass.Int32, v0: cutlass.Int32,
                       tidx: cutlass.Int32, bv: cutlass.Constexpr, num_threads: cutlass.Constexpr,
                       dtype: cutlass.Constexpr):
     # o = 0 for the tokens past cu_seqlens[-1] (engine padding), in this CTA's head and V-slice (bv value
     # columns from v0), by its num_threads threads: the caller need not zero-fill o first.
     tail0 = cu_at(mCu, mCu.shape[0] - 1, mO.shape[0])
-    tail = mO.shape[0] - tail0
-    for idx in range(tidx, tail * bv, num_threads):
-        mO[tail0 + idx // bv, hv, v0 + idx % bv] = dtype(0.0)
+    zero_rows(mO, tail0, mO.shape[0], hv, v0, tidx, bv, num_threads, dtype)
 
 
 @cute.jit

@@ -67,15 +67,15 @@ def store_as_a(acc: cute.Tensor, op: cute.Tensor, dtype: cutlass.Constexpr):
 
 
 @cute.jit
-def consumer_load_state(acc_s, coord_s, mH0, seq, hv, v0, has_h0, num_seqs, kv_layout: cutlass.Constexpr):
-    # The state entering a run, S^T rows v0.. of the warpgroup (zero without an initial state or for the
-    # padding slice), into the fp32 accumulators.
+def consumer_load_state(acc_s, coord_s, mH0, slot, hv, v0, kv_layout: cutlass.Constexpr):
+    # The state entering a run, S^T rows v0.. of the warpgroup, from slot `slot` of mH0 (zero for slot -1:
+    # no initial state, a fresh or padding sequence, the padding slice; `common.state_slots`), into the fp32
+    # accumulators.
     for i in cutlass.range_constexpr(cute.size(acc_s)):
-        vr = v0 + coord_s[i][0]
-        kc = coord_s[i][1]
         acc_s[i] = cutlass.Float32(0.0)
-        if has_h0 != 0 and seq < num_seqs:
-            acc_s[i] = state_load(mH0, seq, hv, vr, kc, kv_layout)
+    if slot >= 0:
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = state_load(mH0, slot, hv, v0 + coord_s[i][0], coord_s[i][1], kv_layout)
 
 
 @cute.jit
@@ -130,7 +130,8 @@ def consumer_step(stage, rows, tidx, mma_x, mma_s, acc_s, acc_x, acc_o, rS, rR, 
 
 
 @cute.jit
-def consumer_store_state(acc_s, coord_s, mHt, seq, hv, v0, kv_layout: cutlass.Constexpr):
-    # The state leaving a run, S^T rows v0.. of the warpgroup, from the accumulators.
+def consumer_store_state(acc_s, coord_s, mHt, slot, hv, v0, kv_layout: cutlass.Constexpr):
+    # The state leaving a run, S^T rows v0.. of the warpgroup, from the accumulators into slot `slot` of mHt
+    # (the caller skips slot -1).
     for i in cutlass.range_constexpr(cute.size(acc_s)):
-        state_store(mHt, seq, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
+        state_store(mHt, slot, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
