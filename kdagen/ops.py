@@ -320,6 +320,8 @@ def kda_forward(
 # ---- decode ----------------------------------------------------------------------------------------------
 
 
+# Every argument is required: torch's in-place bookkeeping of a mutated argument indexes the call's
+# positional arguments, from which a trailing default (out=None) would be dropped.
 @torch.library.custom_op(DECODE_OP_NAME, mutates_args=("state_pool", "out"))
 def _decode(
     spec_json: str,
@@ -330,14 +332,14 @@ def _decode(
     beta: torch.Tensor,
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
-    scale: float | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    update_state: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    update_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     o = _kernel(spec_json).decode(
         q, k, v, g, beta, state_pool=state_pool, state_indices=state_indices, scale=scale, A_log=A_log,
@@ -356,14 +358,14 @@ def _decode_fake(
     beta: torch.Tensor,
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
-    scale: float | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    has_initial_state: torch.Tensor | None = None,
-    update_state: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    update_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
     # The kernel's checks of everything but values and addresses, so that a bad call fails while tracing with
     # the error an eager call gives; q's device is not checked (CPU and meta tensors trace too).

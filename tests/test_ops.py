@@ -297,6 +297,14 @@ def _decode_op_args(spec: dict[str, Any], inp: dict[str, Any], kw: dict[str, Any
             kw.get("cu_seqlens"), kw.get("out"))
 
 
+def _decode_op(sj: str, q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, idx: Any, **kw: Any) -> Any:
+    """``kdagen::decode`` with every argument passed (the schema has no defaults), the rest as None."""
+    return torch.ops.kdagen.decode(sj, q, k, v, g, beta, pool, idx, kw.get("scale"), kw.get("A_log"),
+                                   kw.get("dt_bias"), kw.get("num_accepted_tokens"),
+                                   kw.get("has_initial_state"), kw.get("update_state", True),
+                                   kw.get("cu_seqlens"), kw.get("out"))
+
+
 def _cloned(kw: dict[str, Any]) -> dict[str, Any]:
     return {name: (t.clone() if name in ("state_pool", "out") else t) for name, t in kw.items()}
 
@@ -327,14 +335,14 @@ def test_decode_fake_shapes(layout: str) -> None:
         v = torch.empty(3, 2, 4, 128, dtype=torch.bfloat16)
         g, beta = torch.empty(3, 2, 4, 64), torch.empty(3, 2, 4, dtype=torch.bfloat16)
         pool, idx = torch.empty(16, *inner), torch.empty(3, 2, dtype=torch.int64)
-        o = torch.ops.kdagen.decode(sj, q, q, v, g, beta, pool, idx)
+        o = _decode_op(sj, q, q, v, g, beta, pool, idx)
         # packed requests: [1, T, ...] with cu_seqlens, on the CPU (its values are not read)
         qp, vp = q.view(1, 6, 2, 64), v.view(1, 6, 4, 128)
         cu = torch.empty(4, dtype=torch.int32)
-        o_packed = torch.ops.kdagen.decode(sj, qp, qp, vp, g.view(1, 6, 4, 64), beta.view(1, 6, 4), pool,
-                                           idx[:, 0], cu_seqlens=cu)
-        into = torch.ops.kdagen.decode(sj, q, q, v, g, beta, pool, idx, out=torch.empty(3, 2, 4, 128,
-                                                                                       dtype=torch.bfloat16))
+        o_packed = _decode_op(sj, qp, qp, vp, g.view(1, 6, 4, 64), beta.view(1, 6, 4), pool, idx[:, 0],
+                              cu_seqlens=cu)
+        into = _decode_op(sj, q, q, v, g, beta, pool, idx,
+                          out=torch.empty(3, 2, 4, 128, dtype=torch.bfloat16))
     assert (tuple(o.shape), o.dtype) == ((3, 2, 4, 128), torch.bfloat16)
     assert tuple(o_packed.shape) == (1, 6, 4, 128)
     assert (tuple(into.shape), into.dtype) == ((0,), torch.bfloat16)
@@ -345,7 +353,7 @@ def test_decode_on_meta_tensors() -> None:
     with torch.device("meta"):
         q, g, beta = _pre_empty(5, 1)
         pool = torch.empty(64, 3, 2, 64, 64)[:, 1]  # an interleaved pool
-        o = torch.ops.kdagen.decode(sj, q, q, q, g, beta, pool, torch.empty(5, dtype=torch.int32))
+        o = _decode_op(sj, q, q, q, g, beta, pool, torch.empty(5, dtype=torch.int32))
     assert (o.device.type, tuple(o.shape), o.dtype) == ("meta", (5, 1, 2, 64), torch.bfloat16)
 
 
@@ -374,8 +382,8 @@ def test_decode_fake_refuses_bad_arguments(name: str, make: Any, message: str) -
         args[name] = make()
         q, g, beta = _pre_empty(3, args["T"])
         with pytest.raises(kdagen.InputError, match=message):
-            torch.ops.kdagen.decode(ops.spec_json(PRE), q, q, q, g, beta, args["state_pool"],
-                                    args["state_indices"], args["scale"], out=args["out"])
+            _decode_op(ops.spec_json(PRE), q, q, q, g, beta, args["state_pool"], args["state_indices"],
+                       scale=args["scale"], out=args["out"])
 
 
 @pytest.mark.parametrize("case", DECODE_CASES)
