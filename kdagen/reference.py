@@ -10,6 +10,9 @@ templates. Two formulations are provided so that they can check each other:
 - :func:`kda_reference_autograd`: the token recurrence again, built step by step without in-place updates so
   that autograd differentiates it; the oracle of the backward kernels (gradients of q, k, v, g, beta, A_log,
   dt_bias and the initial state, with the final state's gradient taken into account).
+- :func:`kda_pool_prefill_reference` and :func:`kda_pool_decode_reference`: the runtime's forms on a
+  slot-indexed state pool (prefill with prefix-cache checkpoints; decode and speculative verify with FLA's
+  semantics), in place, built on the token recurrence piece by piece.
 
 Shapes follow FLA ``chunk_kda``: q, k ``[B,T,H,K]``; v ``[B,T,HV,V]``; g ``[B,T,HV,K]``; beta ``[B,T,HV]``
 (a probability, or logits as ``beta_mode`` says: :func:`kda_beta`); value head ``hv`` reads q/k head
@@ -40,6 +43,8 @@ __all__ = [
     "kda_beta",
     "kda_chunked_reference",
     "kda_gate",
+    "kda_pool_decode_reference",
+    "kda_pool_prefill_reference",
     "kda_recurrent_reference",
     "kda_reference_autograd",
     "l2norm",
@@ -541,6 +546,186 @@ def kda_chunked_reference(
         finals.append(S)
     final = _final_layout(torch.stack(finals), state_layout) if output_final_state else None
     return o, final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A slot-indexed state pool: prefill with prefix-cache checkpoints, decode and verify (the runtime's contract)
+# ----------------------------------------------------------------------------------------------------------
+
+CHECKPOINT_GRID = 16  # a piece whose start is off this grid writes no checkpoints (the runtime's contract)
+
+
+def _ints(x: Tensor | Sequence[int] | None, n: int, default: int) -> list[int]:
+    if x is None:
+        return [default] * n
+    vals = x.tolist() if isinstance(x, Tensor) else list(x)
+    if len(vals) != n:
+        raise ValueError(f"expected {n} values (one per sequence), got {len(vals)}")
+    return [int(a) for a in vals]
+
+
+def _pool_steps(
+    x: dict[str, Tensor],
+    b: int,
+    cuts: Sequence[int],
+    state: Tensor,
+    opts: dict,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The token recurrence over x[b, cuts[0]:cuts[-1]] from `state` (one slot, in the pool's layout):
+    (o of each run between consecutive cuts, the state at every cut after the first)."""
+    outs, states = [], []
+    for lo, hi in pairwise(cuts):
+        if hi > lo:
+            o, final = kda_recurrent_reference(
+                *(t[b:b + 1, lo:hi] for t in (x["q"], x["k"], x["v"], x["g"], x["beta"])),
+                initial_state=state.unsqueeze(0), output_final_state=True, **opts)
+            state = final[0]
+            outs.append(o[0])
+        states.append(state)
+    return outs, states
+
+
+def kda_pool_prefill_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    state_pool: Tensor,
+    state_indices: Tensor | Sequence[int],
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    has_initial_state: Tensor | Sequence[bool] | None = None,
+    checkpoint_interval: int | None = None,
+    start_positions: Tensor | Sequence[int] | None = None,
+    checkpoint_indices: Tensor | Sequence[Sequence[int]] | None = None,
+    scale: float | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The forward on a slot-indexed state pool, in place, by the token recurrence: what
+    ``KDAKernel.__call__`` does with ``state_pool`` (the contract in kdagen/runtime.py). Returns o
+    ``[B,T,HV,V]`` fp64; the pool keeps its dtype (states are computed in ``dtype`` and stored back).
+
+    Sequence n (a batch row, or a piece of ``cu_seqlens``) starts from pool slot ``state_indices[n]``, or from
+    zero where ``has_initial_state[n]`` is False, and its final state goes back to that slot; a negative slot
+    is padding (o = 0, nothing read or written). With ``checkpoint_interval`` C, the piece covers absolute
+    positions ``start .. start + len`` (``start = start_positions[n]``, default 0: the tokens already in the
+    state), and the state after the request's first p tokens, for every multiple p of C with
+    ``start < p <= start + len``, goes to slot ``checkpoint_indices[n][m]``, m = 0, 1, ... in order (a
+    negative slot, or m past the row's end, skips it). A start off the 16-token grid writes no checkpoints.
+    Every slot is read before any is written within a sequence; sequences run in order (the contract's
+    distinct slots make the order immaterial)."""
+    B, T = q.shape[:2]
+    HV, V = v.shape[2], v.shape[3]
+    seqs = _seq_bounds(B, T, cu_seqlens)
+    N = len(seqs)
+    slots = _ints(state_indices, N, 0)
+    fresh = [not f for f in _ints(has_initial_state, N, 1)]
+    starts = _ints(start_positions, N, 0)
+    if checkpoint_interval is not None and (checkpoint_interval <= 0
+                                            or checkpoint_interval % CHECKPOINT_GRID):
+        raise ValueError(f"checkpoint_interval: expected a positive multiple of {CHECKPOINT_GRID}, "
+                         f"got {checkpoint_interval}")
+    ck: list[list[int]] = [[] for _ in range(N)]
+    if checkpoint_interval is not None and checkpoint_indices is not None:
+        rows = checkpoint_indices.tolist() if isinstance(checkpoint_indices, Tensor) else checkpoint_indices
+        ck = [[int(s) for s in row] for row in rows]
+        if len(ck) != N:
+            raise ValueError(f"checkpoint_indices: expected {N} rows (one per sequence), got {len(ck)}")
+    opts = dict(scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                l2norm_qk=l2norm_qk, state_layout=state_layout, dtype=dtype)
+    x = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=q.device)
+    for n, (b, bos, eos) in enumerate(seqs):
+        slot = slots[n]
+        if slot < 0:
+            continue
+        state = torch.zeros_like(state_pool[0], dtype=dtype) if fresh[n] else state_pool[slot].to(dtype)
+        start, c = starts[n], checkpoint_interval
+        marks: list[int] = []  # absolute positions of the piece's checkpoints
+        if c is not None and start % CHECKPOINT_GRID == 0:
+            marks = list(range((start // c + 1) * c, start + eos - bos + 1, c))
+        outs, states = _pool_steps(x, b, [bos, *(bos + p - start for p in marks), eos], state, opts)
+        if outs:
+            o[b, bos:eos] = torch.cat(outs)
+        for m, st in enumerate(states[:len(marks)]):
+            dst = ck[n][m] if m < len(ck[n]) else -1
+            if dst >= 0:
+                state_pool[dst].copy_(st)
+        state_pool[slot].copy_(states[-1])
+    return o
+
+
+def kda_pool_decode_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    state_pool: Tensor,
+    state_indices: Tensor | Sequence[int] | Sequence[Sequence[int]],
+    num_accepted_tokens: Tensor | Sequence[int] | None = None,
+    has_initial_state: Tensor | Sequence[bool] | None = None,
+    update_state: bool = True,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    scale: float | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Decode and speculative-decode verify on a slot-indexed state pool, in place, by the token recurrence:
+    what ``KDAKernel.decode`` does (FLA's verify semantics; the contract in kdagen/decode.py). Returns o in
+    q's ``[N,S,HV,V]`` (or packed ``[1,T,HV,V]`` with ``cu_seqlens``) shape, fp64.
+
+    ``state_indices`` is ``[N]`` or ``[N, M]``. Request n reads its state from ``idx[n, a - 1]``,
+    ``a = num_accepted_tokens[n]`` (default 1) clamped into ``[1, M]``, or starts from zero where
+    ``has_initial_state[n]`` is False; a negative read slot is padding (o = 0, nothing written). With one
+    column the final state goes back to the read slot; with M > 1 the state after the request's token t goes
+    to ``idx[n, t]`` (t < M; a negative slot skips it), so that an engine can roll back to any accepted
+    prefix. ``update_state=False`` writes nothing."""
+    B, T = q.shape[:2]
+    HV, V = v.shape[2], v.shape[3]
+    seqs = _seq_bounds(B, T, cu_seqlens)
+    N = len(seqs)
+    idx = state_indices.tolist() if isinstance(state_indices, Tensor) else list(state_indices)
+    rows = [[int(s) for s in (r if isinstance(r, (list, tuple)) else [r])] for r in idx]
+    if len(rows) != N:
+        raise ValueError(f"state_indices: expected {N} rows (one per request), got {len(rows)}")
+    cols = len(rows[0]) if rows else 1
+    accepted = _ints(num_accepted_tokens, N, 1)
+    fresh = [not f for f in _ints(has_initial_state, N, 1)]
+    opts = dict(scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                l2norm_qk=l2norm_qk, state_layout=state_layout, dtype=dtype)
+    x = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=q.device)
+    for n, (b, bos, eos) in enumerate(seqs):
+        slot = rows[n][min(max(accepted[n] - 1, 0), cols - 1)]
+        if slot < 0:
+            continue
+        state = torch.zeros_like(state_pool[0], dtype=dtype) if fresh[n] else state_pool[slot].to(dtype)
+        outs, states = _pool_steps(x, b, range(bos, eos + 1), state, opts)
+        if outs:
+            o[b, bos:eos] = torch.cat(outs)
+        if not update_state:
+            continue
+        if cols == 1:
+            state_pool[slot].copy_(states[-1] if states else state)
+            continue
+        for t, st in enumerate(states[:cols]):
+            if rows[n][t] >= 0:
+                state_pool[rows[n][t]].copy_(st)
+    return o
 
 
 # ----------------------------------------------------------------------------------------------------------
