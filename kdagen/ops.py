@@ -55,6 +55,7 @@ import torch
 
 import kdagen
 from kdagen.decode import validate_decode_inputs
+from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
 from kdagen.runtime import _check_no_grad, check_scale, check_state_form, refuse_grad
 from kdagen.spec import KernelSpec, resolve_spec
@@ -197,7 +198,7 @@ def _forward_fake(
         return o, _absent(q, torch.float32)
     nseq = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (nseq, hv, kdim, vdim) if fields["state_layout"] == "kv" else (nseq, hv, vdim, kdim)
-    return o, q.new_empty(shape, dtype=torch.float32)
+    return o, q.new_empty(shape, dtype=getattr(torch, DTYPES[fields.get("state_dtype", "fp32")].torch))
 
 
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")

@@ -125,6 +125,7 @@ def _common_params(spec: KernelSpec) -> dict[str, Any]:
         "chunk": CHUNK,
         "gva_ratio": spec.gva_ratio,
         "dtype": DTYPES[spec.dtype].dsl,
+        "state_dtype": DTYPES[spec.state_dtype].dsl,  # the states' storage (h0, ht, pools); fp32 arithmetic
     }
 
 
@@ -239,6 +240,7 @@ def _merge_params(spec: KernelSpec) -> dict:
         "head_dim_k": k,
         "head_dim_v": spec.head_dim_v,
         "state_layout": spec.state_layout,
+        "state_dtype": DTYPES[spec.state_dtype].dsl,
         "block_v": rows,
         "warps": k // 16,  # two n8 column tiles a warp
         "stages": stages,
@@ -420,7 +422,6 @@ def make_plan(spec: KernelSpec) -> Plan:
             "block_v": spec.head_dim_v if decode_bulk else min(DECODE_BLOCK_V, spec.head_dim_v),
             "bulk": decode_bulk,
             "partial_sums": DECODE_PARTIAL_SUMS,
-            "state_dtype": DTYPES[spec.state_dtype].dsl,
             "state_bytes": DTYPES[spec.state_dtype].nbytes,
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",

@@ -281,7 +281,8 @@ def validate_inputs(
         _need(A_log is None and dt_bias is None,
               "A_log/dt_bias: given, but the spec's gate is 'precomputed' (g is already the log-decay)")
     if initial_state is not None:
-        _check_tensor("initial_state", initial_state, torch.float32, state_shape(spec, nseq, hv), device)
+        _check_tensor("initial_state", initial_state, _TORCH_DTYPE[spec.state_dtype],
+                      state_shape(spec, nseq, hv), device)
 
     # ---- sizes the kernels' 32-bit index arithmetic can address ----
     _check_fits_int32("q/k", {"B": bsz, "T": seqlen, "H": nh, "K": kdim})
@@ -301,9 +302,10 @@ def slot_shape(spec: KernelSpec, hv: int) -> tuple[int, int, int]:
 
 
 def check_state_pool(spec: KernelSpec, state_pool: Any, hv: int, device: torch.device) -> None:
-    """InputError unless `state_pool` is an fp32 pool [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`) on
-    `device`, compact within a slot, with a slot stride of at least a slot's size (any larger one: a pool
-    may interleave layers) and 16-byte aligned slots. Decode and the forward on a pool share it."""
+    """InputError unless `state_pool` is a pool of the spec's state dtype, [P, HV, K, V] (`kv`) or
+    [P, HV, V, K] (`vk`) on `device`, compact within a slot, with a slot stride of at least a slot's size
+    (any larger one: a pool may interleave layers) and 16-byte aligned slots. Decode and the forward on a
+    pool share it."""
     _need(isinstance(state_pool, torch.Tensor), lambda: (
         f"state_pool: expected a torch.Tensor, got {type(state_pool).__name__}"))
     want = slot_shape(spec, hv)
@@ -311,8 +313,9 @@ def check_state_pool(spec: KernelSpec, state_pool: Any, hv: int, device: torch.d
     _need(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == want, lambda: (
         f"state_pool: expected {dims} = [P, {', '.join(map(str, want))}] (state_layout "
         f"{spec.state_layout!r}), got {list(state_pool.shape)}"))
-    _need(state_pool.dtype == torch.float32, lambda: (
-        f"state_pool: expected dtype torch.float32 (the spec's state_dtype), got {state_pool.dtype}"))
+    sdt = _TORCH_DTYPE[spec.state_dtype]
+    _need(state_pool.dtype == sdt, lambda: (
+        f"state_pool: expected dtype {sdt} (the spec's state_dtype), got {state_pool.dtype}"))
     _need(state_pool.device == device, lambda: (
         f"state_pool: expected a tensor on {device} (where q is), got {state_pool.device}"))
     slot = want[0] * want[1] * want[2]
@@ -500,6 +503,11 @@ class KDAKernel:
 
     def _state_shape(self, n: int, hv: int) -> tuple[int, int, int, int]:
         return state_shape(self.spec, n, hv)
+
+    @property
+    def _state_dtype(self) -> torch.dtype:
+        """The states' storage dtype (the spec's state_dtype): initial and final states, pools."""
+        return _TORCH_DTYPE[self.spec.state_dtype]
 
     @property
     def policy(self) -> SchedulePolicy:
@@ -698,7 +706,7 @@ class KDAKernel:
                 if nseq and has_initial_state is not None:
                     _zero_fresh_slots(state_pool, state_indices, has_initial_state)
             elif output_final_state:
-                ht = torch.zeros(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
+                ht = torch.zeros(self._state_shape(nseq, hv), dtype=self._state_dtype, device=device)
                 if initial_state is not None:
                     ht.copy_(initial_state)
             return o, ht
@@ -727,12 +735,12 @@ class KDAKernel:
             has_h0, store_ht = (1 if has_initial_state is None else 2), 1
         else:
             unused = self._cached(("state", device, hv), lambda: torch.zeros(
-                self._state_shape(1, hv), dtype=torch.float32, device=device))
+                self._state_shape(1, hv), dtype=self._state_dtype, device=device))
             h0 = _prepared(initial_state) if initial_state is not None else unused
             idx = self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
             init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
             if output_final_state:
-                ht = torch.empty(self._state_shape(nseq, hv), dtype=torch.float32, device=device)
+                ht = torch.empty(self._state_shape(nseq, hv), dtype=self._state_dtype, device=device)
             ht_arg = ht if ht is not None else unused
             has_h0, store_ht = int(initial_state is not None), int(ht is not None)
         # Prefix-cache checkpoints: the pieces' start positions (absent: the one-element zero, which the

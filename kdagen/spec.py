@@ -53,7 +53,7 @@ Gate = Literal["precomputed", "softplus", "lower_bound"]
 IODtype = Literal["bf16", "fp16"]
 AuxDtype = Literal["fp32", "bf16"]
 BetaMode = Literal["prob", "logit", "logit_x2"]
-StateDtype = Literal["fp32"]
+StateDtype = Literal["fp32", "bf16"]
 StateLayout = Literal["kv", "vk"]
 
 # kda-math §2.3: with a first-row anchor over a 16-token tile the diagonal factor reaches 2^(15*|lb|*log2 e);

@@ -214,22 +214,23 @@ def state_load(mS: cute.Tensor, n: cutlass.Int32, hv: cutlass.Int32, vr: cutlass
     # else [slots, HV, V, K], compact within a slot, the slot stride a dynamic 64-bit stride (a pool may
     # interleave layers, and slot x stride may pass 2^31 elements). The recurrences and the merge read S^T
     # entries this way.
+    # A bf16 state (the spec's state_dtype) is widened here: the arithmetic is fp32.
     x = cutlass.Float32(0.0)
     if cutlass.const_expr(kv_layout):
-        x = mS[n, hv, kc, vr]
+        x = mS[n, hv, kc, vr].to(cutlass.Float32)
     else:
-        x = mS[n, hv, vr, kc]
+        x = mS[n, hv, vr, kc].to(cutlass.Float32)
     return x
 
 
 @cute.jit
 def state_store(mS: cute.Tensor, n: cutlass.Int32, hv: cutlass.Int32, vr: cutlass.Int32, kc: cutlass.Int32,
                 x: cutlass.Float32, kv_layout: cutlass.Constexpr):
-    # `state_load`'s element, written.
+    # `state_load`'s element, written (rounded to the state's dtype).
     if cutlass.const_expr(kv_layout):
-        mS[n, hv, kc, vr] = x
+        mS[n, hv, kc, vr] = x.to(mS.element_type)
     else:
-        mS[n, hv, vr, kc] = x
+        mS[n, hv, vr, kc] = x.to(mS.element_type)
 
 
 @cute.jit

@@ -87,6 +87,9 @@ SPECS: dict[str, dict[str, Any]] = {
                                                 beta="logit_x2"),
     "lb_safe_mma_sync_logit_x2": make_spec(LB_SAFE, family="mma_sync", beta="logit_x2"),
     "softplus_mma_sync_bbf16_logit": make_spec(SOFTPLUS, family="mma_sync", beta_dtype="bf16", beta="logit"),
+    # a bf16 state (initial and final states, pools; fp32 arithmetic), in each family
+    "lb_safe_sbf16": make_spec(LB_SAFE, state_dtype="bf16"),
+    "lb_safe_mma_sync_vk_sbf16": make_spec(LB_SAFE, family="mma_sync", state_layout="vk", state_dtype="bf16"),
 }
 # fmt: on
 
@@ -182,6 +185,9 @@ CASES: dict[str, tuple[Case, ...]] = {
     "softplus_mma_sync_bbf16_logit": (
         F(1, 500, 2, init=True), VL(CU_EDGE, 2, init=True, mask_p=0.1, hard_reset=True),
     ),
+    # the last one long enough at one head for intra-card CP (the merge reads h0, the last segment writes ht)
+    "lb_safe_sbf16": (F(2, 500, 2, init=True), VL(CU_EDGE, 2, init=True), F(1, 8192, 1, init=True)),
+    "lb_safe_mma_sync_vk_sbf16": (F(2, 63, 2, init=True), VL(CU_5, 2, init=True), F(1, 8192, 1, init=True)),
 }
 # fmt: on
 
@@ -208,6 +214,8 @@ def build_inputs(spec: dict[str, Any], case: Case, device: str = "cuda") -> dict
     )
     if case.no_a_log:
         inp["A_log"] = None
+    if spec.get("state_dtype", "fp32") == "bf16" and inp["initial_state"] is not None:
+        inp["initial_state"] = inp["initial_state"].to(torch.bfloat16)  # the reference reads the same values
     return inp
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kdagen.errors import InputError
-from kdagen.reference import assert_close
+from kdagen.reference import assert_close, rel_rmse
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
     from . import _cases as cases  # type: ignore[no-redef]
@@ -37,6 +37,8 @@ DECODE_SPECS = [
     "lb_safe_k128v64_vk",
     "lb_safe_logit",  # beta logits: sigmoid(beta) at the decode kernel's load
     "lb_safe_gva2_vk_bbf16_logit_x2",  # 2 sigmoid(beta), bf16 logits
+    "lb_safe_sbf16",  # a bf16 pool: the bulk-copy path
+    "lb_safe_mma_sync_vk_sbf16",  # a bf16 pool in the V-first layout: the register path
 ]
 
 
@@ -60,7 +62,8 @@ def _pool(spec: dict[str, Any], slots: int, hv: int, interleave: int = 1) -> tor
     """A pool whose slots are `interleave` slot sizes apart (as when layers share one allocation)."""
     k, v = spec["head_dim_k"], spec["head_dim_v"]
     inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=torch.float32)
+    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
+    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=dtype)
     return base[:, 0]
 
 
@@ -216,3 +219,29 @@ def test_bad_decode_arguments_are_refused_before_any_launch() -> None:
         _call(kernel, inp, state_pool=pool.transpose(2, 3), state_indices=idx)
     with pytest.raises(InputError, match="num_accepted_tokens: given, but state_indices has one column"):
         _call(kernel, inp, state_pool=pool, state_indices=idx, num_accepted_tokens=idx)
+
+
+def test_bf16_state_error_over_1024_steps() -> None:
+    """A bf16 pool rounds the state after every step; the error of o against the fp64 recurrence (whose
+    state is never rounded) after 1, 64 and 1024 steps, printed, and within 0.005 after one step and 0.01
+    after 1024."""
+    spec = cases.SPECS["lb_safe_sbf16"]
+    kernel = cases.kernel_for("lb_safe_sbf16")
+    n, h, steps = 4, 2, 1024
+    full = _inputs(spec, n, steps, h, seed=11)
+    h0 = full["initial_state"]  # bf16 (the spec's state dtype), as the pool holds it
+    idx = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
+    pool = torch.zeros(n + 1, *h0.shape[1:], dtype=torch.bfloat16, device="cuda")
+    pool[idx.long()] = h0
+    ref_o, _ = _reference(spec, full, h0)
+    errors = {}
+    with torch.no_grad():
+        for t in range(steps):
+            step = {key: (val[:, t : t + 1] if key in ("q", "k", "v", "g", "beta") else val)
+                    for key, val in full.items()}
+            o = _call(kernel, step, state_pool=pool, state_indices=idx)
+            if t + 1 in (1, 64, 1024):
+                errors[t + 1] = rel_rmse(ref_o[:, t : t + 1], o)
+    print(f"bf16 state, relative RMSE of o after 1, 64, 1024 steps: {errors}")
+    assert errors[1] <= TOL, errors
+    assert errors[1024] <= 0.01, errors

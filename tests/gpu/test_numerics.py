@@ -146,7 +146,7 @@ def test_fused_kernel_many_chains_per_cta() -> None:
 # (lb_safe: fp32 g, three prepare warps a CTA; the others four; lb_safe_logit: beta logits); the last case of
 # each puts a pair on every SM of a 132-SM card (128 SMs at GVA 4).
 PAIR_SPECS = ("lb_safe_gbf16", "lb_safe", "lb_safe_gva2_vk_bbf16_gbf16", "lb_safe_k64v128_nol2_bbf16_gbf16",
-              "p_safe_gva4_l2_vk_gbf16", "lb_safe_logit")
+              "p_safe_gva4_l2_vk_gbf16", "lb_safe_logit", "lb_safe_sbf16")
 
 
 def _pair_cases(g: int) -> tuple[cases.Case, ...]:
