@@ -3,8 +3,15 @@
 Contract (what is validated, what is the caller's duty):
 - q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]; dtypes as the spec says. beta
   is a probability or logits as the spec's `beta` says; its values are not checked (that would synchronise).
-  Non-contiguous or misaligned inputs are copied first (as FLA's input guard does); outputs never alias
-  inputs.
+  Row-strided inputs (slices of one packed projection, e.g. ``qkv[..., :H*K].view(B, T, H, K)``) are read
+  in place, without a copy, when (`row_strided`): the head and element dims are compact (strides (K, 1),
+  beta's head stride 1), the token stride is at least a row and a multiple of 16 bytes (beta: any), B and T
+  fold into one token dim (B == 1, or stride(0) == T * stride(1)) and the base is 16-byte aligned. Any
+  other layout (a transposed view, an odd token stride, a misaligned base) is copied first into a compact
+  tensor (as FLA's input guard does).
+- out (optional): the caller's buffer for o, [B, T, HV, V] in q's dtype on q's device, contiguous or
+  row-strided as above, 16-byte aligned, overlapping no input's bytes (InputError otherwise); the call
+  writes every element and returns it as o. Outputs never alias inputs.
 - cu_seqlens: [N+1] int32/int64 on the inputs' device or on the CPU; B must be 1. Values (start at 0,
   non-decreasing, end <= B*T) are checked when they are on the CPU; device-resident values are the
   caller's duty, because reading them would synchronise with the GPU (`validate_cu_seqlens` does that
@@ -84,6 +91,68 @@ def _check_tensor(
     _need(tuple(t.shape) == shape, lambda: f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
 
 
+def row_strided(t: torch.Tensor, unit: int) -> bool:
+    """True when `t` ([B, T, heads, D], or beta's [B, T, heads]) can go to the kernels as it is: its last
+    dim(s) compact (strides (D, 1), or (1,) for beta's heads), a token stride at least a row's elements and a
+    multiple of `unit` (16 bytes of elements: the stages' vector loads and TMA boxes; 1 for beta, read by
+    element), B and T folding into one token dim (B == 1, or stride(0) == T * stride(1): the stages index
+    the tokens of the packed batch) and the base 16-byte aligned."""
+    st, shape = t.stride(), t.shape
+    row = 1
+    for i in range(len(shape) - 1, 1, -1):
+        if st[i] != row:
+            return False
+        row *= shape[i]
+    return (st[1] >= row and st[1] % unit == 0 and (shape[0] == 1 or st[0] == shape[1] * st[1])
+            and t.data_ptr() % _ALIGN == 0)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    # A compact, 16-byte aligned copy (torch.empty's canonical strides even for dims of size 1).
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    # [first, last + 1) bytes a tensor's elements occupy (its strides are non-negative).
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """InputError unless `out` is a tensor of `shape` ([B, T, HV, V]) and `dtype` on `device`, contiguous
+    or row-strided (`row_strided`: rows compact, a token stride of 16 bytes' multiple, B and T folding) and
+    16-byte aligned. Its overlap with the inputs is `check_out_aliasing`'s (addresses: every call)."""
+    _need(isinstance(out, torch.Tensor), lambda: f"out: expected a torch.Tensor, got {type(out).__name__}")
+    _need(tuple(out.shape) == shape, lambda: f"out: expected shape [B, T, HV, V] = {list(shape)}, got "
+          f"{list(out.shape)}")
+    _need(out.dtype == dtype, lambda: f"out: expected dtype {dtype} (q's), got {out.dtype}")
+    _need(out.device == device, lambda: f"out: expected a tensor on {device} (where q is), got {out.device}")
+    if out.numel() == 0:
+        return
+    data = has_data(out)
+    unit = _ALIGN // out.element_size()
+    _need(out.is_contiguous() or not data or row_strided(out, unit), lambda: (
+        f"out: expected a contiguous or row-strided tensor (strides (..., {shape[3]}, 1), a token stride of "
+        f"at least {shape[2] * shape[3]} elements and a multiple of {unit}, stride(0) == T * stride(1) "
+        f"unless B == 1), got strides {list(out.stride())}"))
+    _need(not data or out.data_ptr() % _ALIGN == 0, "out: expected a 16-byte aligned tensor")
+
+
+def check_out_aliasing(out: torch.Tensor, inputs: dict[str, Any]) -> None:
+    """InputError when the bytes of `out` overlap those of a tensor of `inputs` (by address range: row
+    slices of one buffer that interleave count as overlapping)."""
+    if out.numel() == 0 or not has_data(out):
+        return
+    lo, hi = _byte_span(out)
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.numel() and has_data(t):
+            a, b = _byte_span(t)
+            if a < hi and lo < b:
+                raise InputError(f"out: overlaps the memory of {name}; pass a separate buffer")
+
+
 def _prepared(t: torch.Tensor) -> torch.Tensor:
     # The compiled stages assume compact row-major, 16-byte aligned storage.
     if not t.is_contiguous() or t.data_ptr() % _ALIGN:
@@ -112,15 +181,20 @@ def _props(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.dtype, t.device, t.requires_grad)
 
 
+def _layout(t: Any) -> tuple:
+    return (t.stride(), t.data_ptr() % _ALIGN)
+
+
 def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any, initial_state: Any,
                cu_seqlens: Any, state_pool: Any = None, state_indices: Any = None,
                has_initial_state: Any = None, output_final_state: Any = False,
                checkpoint_interval: Any = None, start_positions: Any = None,
-               checkpoint_indices: Any = None) -> tuple | None:
-    """Everything the argument checks read (type, shape, dtype, device of each tensor; a pool's strides and
-    alignment, and whether a compact final state is asked for beside it), or None when a call must be
-    checked in full: cu_seqlens on the CPU (its values are checked) or an argument that is not a tensor
-    (the checks then raise the error that names it)."""
+               checkpoint_indices: Any = None, out: Any = None) -> tuple | None:
+    """Everything the argument checks and the copy decisions read (type, shape, dtype, device of each
+    tensor; the strides and alignment of q, k, v, g, beta and out, which decide which inputs go to the
+    kernels as they are (`row_strided`); a pool's strides and alignment, and whether a compact final state
+    is asked for beside it), or None when a call must be checked in full: cu_seqlens on the CPU (its values
+    are checked) or an argument that is not a tensor (the checks then raise the error that names it)."""
     try:
         cu = _props(cu_seqlens)
         if cu is not None and cu[3].type == "cpu":
@@ -134,9 +208,11 @@ def _signature(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: A
             pool = (_props(state_pool), state_pool.stride(), state_pool.data_ptr() % _ALIGN,
                     _props(state_indices), _props(has_initial_state), bool(output_final_state),
                     checkpoint_interval, _props(start_positions), _props(checkpoint_indices))
+        layouts = (_layout(q), _layout(k), _layout(v), _layout(g), _layout(beta))
         return (_props(q), _props(k), _props(v), _props(g), _props(beta), _props(A_log), _props(dt_bias),
-                _props(initial_state), cu, torch.is_grad_enabled(), pool)
-    except AttributeError:
+                _props(initial_state), cu, torch.is_grad_enabled(), pool, layouts,
+                None if out is None else (_props(out), _layout(out)))
+    except (AttributeError, RuntimeError):  # not a tensor, or one without an address (fake)
         return None
 
 
@@ -430,19 +506,24 @@ def validate_forward_inputs(
     checkpoint_interval: Any = None,
     start_positions: Any = None,
     checkpoint_indices: Any = None,
+    out: Any = None,
     *,
     require_cuda: bool = True,
 ) -> tuple[int, int, int, int, int]:
-    """Every check of a forward call (`KDAKernel.__call__`): `validate_inputs`, and with ``state_pool`` the
+    """Every check of a forward call (`KDAKernel.__call__`): `validate_inputs`, with ``state_pool`` the
     pool form's (the pool, the indices, has_initial_state, the checkpoints; neither initial_state nor
-    output_final_state beside it). Returns (B, T, H, HV, N)."""
+    output_final_state beside it), and with ``out`` the output buffer's (`check_out`,
+    `check_out_aliasing`). Returns (B, T, H, HV, N)."""
     check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
                      checkpoint_interval, start_positions, checkpoint_indices)
     if state_pool is None:
-        return validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                               require_cuda=require_cuda)
+        sizes = validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                require_cuda=require_cuda)
+        _validate_out(spec, out, sizes, q, k, v, g, beta, initial_state)
+        return sizes
     sizes = validate_inputs(spec, q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens,
                             require_cuda=require_cuda, compact_state=False)
+    _validate_out(spec, out, sizes, q, k, v, g, beta, state_pool)
     _bsz, _seqlen, _nh, hv, nseq = sizes
     device = q.device
     check_state_pool(spec, state_pool, hv, device)
@@ -453,6 +534,16 @@ def validate_forward_inputs(
         check_checkpoints(checkpoint_interval, start_positions, checkpoint_indices, nseq, device)
     _check_no_grad({"state_pool": state_pool})  # (validate_inputs checked q, k, v, g, beta, A_log, dt_bias)
     return sizes
+
+
+def _validate_out(spec: KernelSpec, out: Any, sizes: tuple[int, ...], q: Any, k: Any, v: Any, g: Any,
+                  beta: Any, state: Any) -> None:
+    if out is None:
+        return
+    bsz, seqlen, _nh, hv, _n = sizes
+    check_out(out, (bsz, seqlen, hv, spec.head_dim_v), _TORCH_DTYPE[spec.dtype], q.device)
+    check_out_aliasing(out, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "the states": state})
+    _check_no_grad({"out": out})
 
 
 def _zero_fresh_slots(state_pool: torch.Tensor, idx: torch.Tensor, has_initial_state: torch.Tensor) -> None:
@@ -493,7 +584,8 @@ class KDAKernel:
         self._schedules: dict[tuple, Schedule] = {}
         self._dummies: dict[tuple, torch.Tensor] = {}
         self._elem_bytes = _TORCH_DTYPE[spec.dtype].itemsize
-        self._validated: dict[tuple, tuple[int, int, int, int, int]] = {}  # signature -> (B, T, H, HV, N)
+        # signature -> (B, T, H, HV, N) (decode), or that and which inputs pass without a copy (forward)
+        self._validated: dict[tuple, Any] = {}
         import tvm_ffi
 
         self._ffi = tvm_ffi
@@ -637,11 +729,22 @@ class KDAKernel:
         checkpoint_interval: Any = None,
         start_positions: Any = None,
         checkpoint_indices: Any = None,
+        out: Any = None,
     ) -> tuple[int, int, int, int, int]:
         """Every check of a call's arguments (InputError naming the argument); returns (B, T, H, HV, N)."""
         return validate_forward_inputs(self.spec, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                        state_pool, state_indices, has_initial_state, output_final_state,
-                                       checkpoint_interval, start_positions, checkpoint_indices)
+                                       checkpoint_interval, start_positions, checkpoint_indices, out)
+
+    def _inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> tuple[bool, ...]:
+        """Which of q, k, v, g, beta go to the kernels as they are (`row_strided`: compact or row-strided
+        and aligned); the others are copied. Decided once per call signature."""
+        # A token stride must be a multiple of 16 bytes' elements (beta, read by element: any).
+        spec = self.spec
+        units = (*(_ALIGN // _TORCH_DTYPE[d].itemsize for d in (spec.dtype,) * 3 + (spec.g_dtype,)), 1)
+        return tuple(t.numel() == 0 or (t.is_contiguous() and t.data_ptr() % _ALIGN == 0)
+                     or row_strided(t, unit) for t, unit in zip((q, k, v, g, beta), units))
 
     def __call__(
         self,
@@ -664,8 +767,14 @@ class KDAKernel:
         checkpoint_interval: int | None = None,
         start_positions: torch.Tensor | None = None,
         checkpoint_indices: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward of the spec: ``(o, final_state or None)``.
+        """The forward of the spec: ``(o, final_state or None)``; o is ``out`` when given (the caller's
+        [B, T, HV, V] buffer, contiguous or row-strided: the module's contract).
+
+        q, k, v, g and beta may be row-strided views (slices of one packed projection): read in place when
+        their rows are compact, the token stride is a multiple of 16 bytes (beta: any), B and T fold into
+        one token dim and the base is 16-byte aligned (`row_strided`); otherwise they are copied first.
 
         With ``state_pool`` and ``state_indices`` (the module's contract) each sequence starts from its
         pool slot (or from zero where ``has_initial_state`` is False) and its final state is written back
@@ -682,16 +791,24 @@ class KDAKernel:
         # ---- shapes, dtypes, devices (nothing is launched or written before all checks pass) ----
         # The checks depend only on the properties in `sig`, so a call whose signature was validated before
         # skips them (a small call is bound by host time, and the checks were ~15 us of it on an H100 host).
+        # The signature also records the inputs' strides and alignment, so the memo keeps which inputs go to
+        # the kernels as they are (`_inputs`); only out's overlap with the inputs (addresses) is checked on
+        # every call.
         sig = _signature(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
                          state_indices, has_initial_state, output_final_state, checkpoint_interval,
-                         start_positions, checkpoint_indices)
-        sizes = self._validated.get(sig) if sig is not None else None
-        if sizes is None:
+                         start_positions, checkpoint_indices, out)
+        found = self._validated.get(sig) if sig is not None else None
+        if found is None:
             sizes = self._validate(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_pool,
                                    state_indices, has_initial_state, output_final_state, checkpoint_interval,
-                                   start_positions, checkpoint_indices)
+                                   start_positions, checkpoint_indices, out)
+            found = (sizes, self._inputs(q, k, v, g, beta))
             if sig is not None:
-                remember(self._validated, sig, sizes)
+                remember(self._validated, sig, found)
+        elif out is not None:
+            check_out_aliasing(out, {"q": q, "k": k, "v": v, "g": g, "beta": beta,
+                                     "the states": state_pool if state_pool is not None else initial_state})
+        sizes, direct = found
         bsz, seqlen, nh, hv, nseq = sizes
         total = bsz * seqlen
         device = q.device
@@ -700,7 +817,7 @@ class KDAKernel:
 
         # ---- nothing to launch for empty inputs ----
         if total == 0 or nseq == 0:
-            o = torch.zeros((bsz, seqlen, hv, vdim), dtype=dt, device=device)
+            o = torch.zeros((bsz, seqlen, hv, vdim), dtype=dt, device=device) if out is None else out.zero_()
             ht = None
             if pooled:
                 if nseq and has_initial_state is not None:
@@ -719,7 +836,8 @@ class KDAKernel:
         else:
             cu = cu_seqlens
         cu = _prepared(cu)
-        q, k, v, g, beta = _prepared(q), _prepared(k), _prepared(v), _prepared(g), _prepared(beta)
+        if not all(direct):
+            q, k, v, g, beta = (t if ok else _compact(t) for t, ok in zip((q, k, v, g, beta), direct))
 
         gate_args = self._gate_args(A_log, dt_bias, hv, device)
         ht = None
@@ -760,7 +878,7 @@ class KDAKernel:
         # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
         ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
         buf = torch.empty((ws.size // workspace.ROW, workspace.ROW), dtype=torch.uint8, device=device)
-        o = torch.empty((bsz, seqlen, hv, vdim), dtype=dt, device=device)
+        o = out if out is not None else torch.empty((bsz, seqlen, hv, vdim), dtype=dt, device=device)
 
         stream_scope = self._stream_scope(device)
         sms = self._sm_count(device)
