@@ -20,8 +20,8 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
-# Value columns per decode CTA, one thread each holding its column of the state: two CTAs a head at
-# V=128, the fastest of the shapes measured (docs/experiments.md, "Decode").
+# Value columns per decode CTA before sm_90, one thread each holding its column of the state: two CTAs a
+# head at V=128 (sm_90 and later take a whole head a CTA; docs/experiments.md, "Decode: bulk copies").
 DECODE_BLOCK_V = 64
 # Shared memory of the decode stage besides a bulk-copied slot: the token's q, k and decays, sums, a barrier.
 DECODE_SMEM_EXTRA = 4096
@@ -399,13 +399,14 @@ def make_plan(spec: KernelSpec) -> Plan:
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
     # family's, since it uses no tensor cores (one thread a value column, the state column in registers).
-    # With bulk copies and the K-first layout a CTA takes a whole head, whose slot moves through shared
-    # memory in one copy each way (K >= V, so that the V threads stage the token's K inputs in whole rounds):
-    # 1.55-1.67x FLA's fp32 step with a bf16 state against 1.4x in registers, the same with fp32
-    # (docs/experiments.md, "Decode: bulk copies").
+    # On sm_90 and later a CTA takes a whole head (K >= V, so that the V threads stage the token's K inputs
+    # in whole rounds): fewer, larger CTAs, 0.93-0.96x FLA's fp32 step at N >= 128 against 0.87-0.92x with
+    # two CTAs a head. A bf16 state with the K-first layout moves its slot between the pool and shared
+    # memory in one bulk copy each way: 1.55-1.67x FLA's fp32 step against 1.4x in registers; an fp32 one
+    # gains nothing from it and pays the copy's latency at N=1 (docs/experiments.md, "Decode: bulk copies").
     slot_bytes = spec.head_dim_k * spec.head_dim_v * DTYPES[spec.state_dtype].nbytes
-    decode_bulk = (spec.arch_info.has_bulk_copy and spec.state_layout == "kv"
-                   and spec.head_dim_k >= spec.head_dim_v
+    decode_whole_head = spec.arch_info.has_bulk_copy and spec.head_dim_k >= spec.head_dim_v
+    decode_bulk = (decode_whole_head and spec.state_layout == "kv" and DTYPES[spec.state_dtype].nbytes == 2
                    and slot_bytes + DECODE_SMEM_EXTRA <= spec.arch_info.smem_bytes_per_block)
     decode = StagePlan(
         "decode",
@@ -419,7 +420,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "beta": spec.beta,
             "state_layout": spec.state_layout,
-            "block_v": spec.head_dim_v if decode_bulk else min(DECODE_BLOCK_V, spec.head_dim_v),
+            "block_v": spec.head_dim_v if decode_whole_head else min(DECODE_BLOCK_V, spec.head_dim_v),
             "bulk": decode_bulk,
             "partial_sums": DECODE_PARTIAL_SUMS,
             "state_bytes": DTYPES[spec.state_dtype].nbytes,
