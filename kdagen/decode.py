@@ -27,6 +27,7 @@ import torch
 
 from kdagen.runtime import (
     _check_no_grad,
+    _compact,
     _need,
     _prepared,
     _props,
@@ -36,6 +37,7 @@ from kdagen.runtime import (
     check_state_pool,
     has_data,
     remember,
+    row_strided,
     validate_inputs,
 )
 
@@ -45,6 +47,15 @@ if TYPE_CHECKING:
 __all__ = ["MAX_TOKENS", "validate_decode_inputs", "run_decode"]
 
 MAX_TOKENS = 8  # tokens a request: one, or a verify step's draft tokens plus one
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """`t` ([B, S, heads, D], or beta's [B, S, heads]) as the stage's [B*S, heads(, D)] with its token
+    stride: a row-strided view (slices of one packed projection, 16-byte aligned) goes as it is, anything
+    else is copied (the stage reads by element, so any token stride does)."""
+    if not row_strided(t, 1):
+        t = _compact(t)
+    return t.as_strided((t.shape[0] * t.shape[1], *t.shape[2:]), (t.stride(1), *t.stride()[2:]))
 
 
 def validate_decode_inputs(
@@ -188,9 +199,7 @@ def run_decode(
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     if gate_args:
         gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
-    qf, kf = _prepared(q).view(total, nh, kdim), _prepared(k).view(total, nh, kdim)
-    vf, gf = _prepared(v).view(total, hv, vdim), _prepared(g).view(total, hv, kdim)
-    bf = _prepared(beta).view(total, hv)
+    qf, kf, vf, gf, bf = (_tokens(x) for x in (q, k, v, g, beta))
     with kernel._stream_scope(device):
         kernel._decode(qf, kf, vf, gf, bf, *gate_args, cu, idx, acc, init, state_pool,
                        o.view(total, hv, vdim), float(scale), per_seq, int(num_accepted_tokens is not None),
