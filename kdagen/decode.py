@@ -2,11 +2,13 @@
 
 Contract (what is validated, what is the caller's duty):
 - q, k: [N, S, H, K]; v: [N, S, HV, V]; g: [N, S, HV, K]; beta: [N, S, HV] (S = 1 for plain decode, up to
-  `MAX_TOKENS` for speculative-decode verify), dtypes as the spec says; or packed as [1, T, ...] with
+  `MAX_TOKENS` for speculative-decode verify), dtypes as the spec says, any token stride (rows compact);
+  or packed as [1, T, ...] with
   `cu_seqlens` [N+1] (each request's tokens, at most `MAX_TOKENS` each: the caller's duty when the offsets
   are on the GPU).
-- state_pool: fp32, [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`), compact within a slot, any slot stride at
-  least a slot's size (a pool may interleave layers), 16-byte aligned. It is read and written in place.
+- state_pool: the spec's state dtype (fp32 or bf16), [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`), compact
+  within a slot, any slot stride at least a slot's size (a pool may interleave layers), 16-byte aligned. It
+  is read and written in place.
 - state_indices: int32 or int64, [N] or [N, M] on the pool's device. The state is read from
   idx[n, accepted - 1] (accepted = num_accepted_tokens[n], default 1); with M = 1 the final state is written
   back to that slot, with M > 1 the state after the request's token t to idx[n, t] (FLA's semantics, so

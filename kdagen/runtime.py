@@ -19,10 +19,12 @@ Contract (what is validated, what is the caller's duty):
   values past the tokens of q or below zero still ends (no fault, no wait on a tile that no prepare CTA
   makes) and computes the clamped offsets; decreasing values give unspecified results.
   Tokens past cu_seqlens[-1] get o = 0.
-- initial_state / final state: fp32, [N, HV, K, V] (`kv`) or [N, HV, V, K] (`vk`).
+- initial_state / final state: the spec's state dtype (fp32 or bf16), [N, HV, K, V] (`kv`) or
+  [N, HV, V, K] (`vk`).
 - Or a slot-indexed state pool, read and written in place (exclusive with initial_state and
-  output_final_state): state_pool fp32 [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`), compact within a
-  slot, any slot stride at least a slot's size (a pool may interleave layers), 16-byte aligned;
+  output_final_state): state_pool (the spec's state dtype) [P, HV, K, V] (`kv`) or [P, HV, V, K] (`vk`),
+  compact within a slot, any slot stride at least a slot's size (a pool may interleave layers), 16-byte
+  aligned;
   state_indices int32/int64 [N] on q's device: sequence n reads its initial state from slot idx[n] and
   writes its final state back there; a negative index is padding (nothing read or written, o = 0 for its
   tokens). has_initial_state bool [N] (optional): False starts that sequence from zero without the caller
