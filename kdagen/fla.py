@@ -300,6 +300,17 @@ def _recurrent_kernel(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return kdagen.get_kernel(spec), A_log, dt_bias
 
 
+def _longer_than(q: torch.Tensor, cu_seqlens: torch.Tensor | None, tokens: int) -> bool:
+    """Whether some sequence has more than `tokens` tokens, as far as the host knows without a sync: q's T
+    for a [N, T] batch, the offsets when they are on the CPU; device-resident offsets count as short (their
+    lengths are the caller's promise, as for the decode kernel)."""
+    if cu_seqlens is None:
+        return q.shape[1] > tokens
+    if cu_seqlens.device.type == "cpu" and cu_seqlens.numel() > 1:
+        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) > tokens
+    return False
+
+
 def fused_recurrent_kda_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -332,7 +343,8 @@ def fused_recurrent_kda_fwd(
     ``idx[n, t]`` after token t), ``out`` the caller's output; the pool is updated in place and returned
     (``inplace_final_state=True``, the only form built with indices). Without indices ``initial_state`` is
     [N, HV, K, V] (V-first with ``state_v_first``): ``inplace_final_state`` writes the final states back into
-    it (the decode kernel for up to `kdagen.decode.MAX_TOKENS` tokens a sequence, the forward otherwise),
+    it (the decode kernel for up to `kdagen.decode.MAX_TOKENS` tokens a sequence, the forward on the states
+    as a pool otherwise; with [N] indices and longer pieces the forward on the indexed pool too),
     else they come back as a new tensor when ``output_final_state``. The beta flags pick the spec's ``beta``
     as in `chunk_kda`. Refused with an `InputError` naming the keyword: indices without
     ``inplace_final_state``, unknown keywords.
@@ -350,6 +362,12 @@ def fused_recurrent_kda_fwd(
                           "tensor) is not built; the pool is updated in place")
         if initial_state is None:
             raise _refuse("initial_state", "required with ssm_state_indices: it is the state pool")
+        if ssm_state_indices.dim() == 1 and num_accepted_tokens is None and _longer_than(
+                q, cu_seqlens, MAX_TOKENS):
+            # Pieces longer than a decode step (chunked prefill): the forward on the pool, in place.
+            o, _ = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                          state_pool=initial_state, state_indices=ssm_state_indices, out=out)
+            return o, initial_state
         o = kernel.decode(q, k, v, g, beta, state_pool=initial_state, state_indices=ssm_state_indices,
                           scale=scale, A_log=A_log, dt_bias=dt_bias, num_accepted_tokens=num_accepted_tokens,
                           cu_seqlens=cu_seqlens, out=out)
@@ -365,12 +383,10 @@ def fused_recurrent_kda_fwd(
             o = kernel.decode(q, k, v, g, beta, state_pool=initial_state, state_indices=idx, scale=scale,
                               A_log=A_log, dt_bias=dt_bias, out=out)
             return o, initial_state
-        o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                       initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens)
-        initial_state.copy_(ht)
-        if out is not None:
-            out.copy_(o)
-            o = out
+        # Longer sequences: the forward with the states as a pool of one slot a sequence, in place.
+        idx = torch.arange(initial_state.shape[0], dtype=torch.int32, device=q.device)
+        o, _ = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                      state_pool=initial_state, state_indices=idx, out=out)
         return o, initial_state
     o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)

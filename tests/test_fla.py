@@ -32,8 +32,11 @@ class FakeKernel:
         self.spec = spec
 
     def __call__(self, q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, initial_state=None,
-                 output_final_state=False, cu_seqlens=None, policy=None):
+                 output_final_state=False, cu_seqlens=None, policy=None, **pool):
         s = self.spec
+        if pool:  # the forward on a state pool: what kdagen.fla passed
+            self.prefilled = pool
+            return (torch.zeros_like(v) if pool.get("out") is None else pool["out"]), None
         validate_inputs(s, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, require_cuda=False)
         o, ht = kda_recurrent_reference(
             q, k, v, g, beta, scale=check_scale(scale, s.head_dim_k), initial_state=initial_state,
@@ -328,6 +331,27 @@ def test_fused_recurrent_kda_fwd_without_indices_decodes_each_sequence_in_place(
     pool = torch.zeros(3, 2, 64, 64)
     _, state, kernel = _pool_call(t, pool)
     assert state is pool and torch.equal(kernel.decoded["state_indices"], torch.arange(3, dtype=torch.int32))
+
+
+def test_fused_recurrent_kda_fwd_longer_pieces_are_prefill_on_the_pool(
+    on_h100: list[kdagen.KernelSpec],
+) -> None:
+    t = {name: x.view(2, 12, *x.shape[2:]) for name, x in _tensors(T=24).items()}  # 2 pieces of 12 tokens
+    pool = torch.zeros(5, 2, 64, 64)
+    idx = torch.tensor([3, 1])
+    o, state, kernel = _pool_call(t, pool, ssm_state_indices=idx)
+    assert state is pool and o.shape == t["v"].shape
+    assert kernel.prefilled["state_pool"] is pool and kernel.prefilled["state_indices"] is idx
+    # the same without indices: the states as a pool of one slot each, no copy back
+    _, state, kernel = _pool_call(t, torch.zeros(2, 2, 64, 64))
+    assert torch.equal(kernel.prefilled["state_indices"], torch.arange(2, dtype=torch.int32))
+    # packed pieces with offsets on the CPU: one of 9 tokens is longer than a decode step
+    flat = _tensors(T=12)
+    cu = torch.tensor([0, 3, 12])
+    _, _, kernel = _pool_call(flat, pool, ssm_state_indices=idx, cu_seqlens=cu)
+    assert kernel.prefilled["state_indices"] is idx
+    _, _, kernel = _pool_call(flat, pool, ssm_state_indices=idx, cu_seqlens=torch.tensor([0, 4, 8]))
+    assert hasattr(kernel, "decoded") and not hasattr(kernel, "prefilled")
 
 
 @pytest.mark.parametrize(("kw", "message"), [
