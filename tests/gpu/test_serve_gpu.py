@@ -7,7 +7,6 @@ stream; and the documented command's exit status.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -45,14 +44,6 @@ def _load_example() -> ModuleType:
 
 
 serve = _load_example()
-
-
-@pytest.fixture(autouse=True)
-def _needs_checkpoints() -> None:
-    from kdagen.runtime import KDAKernel
-
-    if "checkpoint_interval" not in inspect.signature(KDAKernel.__call__).parameters:
-        pytest.skip("this kdagen's forward on a pool takes no prefix-cache checkpoints yet")
 
 
 def test_documented_command(capsys: pytest.CaptureFixture[str]) -> None:
