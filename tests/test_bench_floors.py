@@ -133,3 +133,13 @@ def test_markdown_from_a_result_json_keeps_its_rows_and_headline_geomean(tmp_pat
     assert n == 3 and gm == pytest.approx(data["meta"]["headline_geomean_speedup"])
     footer = bench_fwd.footer_text(data["meta"], data["rows"])
     assert footer in text and f"geomean speedup {gm:.3f}x over the 3 headline configs (" in footer
+
+
+def test_decode_floor_counts_the_state_bytes_moved():
+    import bench_decode
+
+    # one read and one write of a 64 KB fp32 state per (request, head) at S = 1; S + 1 copies for verify
+    us = bench_decode.floor_us(32, 256, 1, 128, 128, 3.35)
+    assert us == pytest.approx(256 * 32 * 128 * 128 * 4 * 2 / 3.35e12 * 1e6)
+    assert bench_decode.floor_us(32, 256, 4, 128, 128, 3.35) == pytest.approx(us * 5 / 2)
+    assert bench_decode.floor_us(32, 256, 1, 128, 128, 3.35, elem_bytes=2) == pytest.approx(us / 2)
