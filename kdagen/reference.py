@@ -42,6 +42,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "kda_beta",
     "kda_chunked_reference",
+    "kda_chunked_backward_stages",
     "kda_gate",
     "kda_pool_decode_reference",
     "kda_pool_prefill_reference",
@@ -546,6 +547,122 @@ def kda_chunked_reference(
         finals.append(S)
     final = _final_layout(torch.stack(finals), state_layout) if output_final_state else None
     return o, final
+
+
+def _chunk_stage_backward(
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor, doc: Tensor, dS: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward of `_chunk_step` for q, v and the state, by FLA's stage formulas (kda-math §8): the
+    chunk's forward is recomputed (stage 1); dAqk = tril(dO V_new^T) and dV_new = Aqk^T dO + Kg dS'
+    (stages 2 and 4: the local term and the inter-chunk one); dS = (Q * exp(G))^T dO + exp(G_last) * dS'
+    - W^T dV_new (the reverse scan, stage 4); dv = diag(beta) Tinv^T dV_new (through U = Tinv diag(beta) V,
+    stage 5); dq = (dO S^T) * exp(G) + sum_s dAqk[r, s] k_s exp(G_r - G_s) (stages 5 and 6). Returns
+    (dq [HV,n,K], dv [HV,n,V], dS entering the chunk [HV,K,V], dAqk [HV,n,n])."""
+    n = qc.shape[1]
+    dev, dt = qc.device, qc.dtype
+    G = gc.cumsum(dim=1)
+    rows = torch.arange(n, device=dev)
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    diff = G[:, :, None, :] - G[:, None, :, :]
+    E = torch.where(incl[None, :, :, None], diff, torch.full((), float("-inf"), dtype=dt, device=dev)).exp()
+    Ek = E * kc[:, None, :, :]
+    Aqk = torch.einsum("hrd,hrsd->hrs", qc, Ek)
+    Akk = torch.einsum("hrd,hrsd->hrs", kc, Ek)
+    L = torch.where(strict, bc[:, :, None] * Akk, torch.zeros((), dtype=dt, device=dev))
+    eye = torch.eye(n, dtype=dt, device=dev).expand(qc.shape[0], n, n)
+    Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+    eG = G.exp()
+    W = (Tinv * bc[:, None, :]) @ (kc * eG)
+    U = (Tinv * bc[:, None, :]) @ vc
+    v_new = U - W @ S
+    g_last = G[:, -1:, :]
+    kg = kc * (g_last - G).exp()
+    dv_new = Aqk.transpose(1, 2) @ doc + kg @ dS
+    dAqk = torch.where(incl, doc @ v_new.transpose(1, 2), torch.zeros((), dtype=dt, device=dev))
+    dS_in = (qc * eG).transpose(1, 2) @ doc + g_last.transpose(1, 2).exp() * dS - W.transpose(1, 2) @ dv_new
+    dv = bc[:, :, None] * (Tinv.transpose(1, 2) @ dv_new)
+    dq = (doc @ S.transpose(1, 2)) * eG + torch.einsum("hrs,hrsd->hrd", dAqk, Ek)
+    return dq, dv, dS_in, dAqk
+
+
+def kda_chunked_backward_stages(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    do: Tensor,
+    *,
+    dht: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    gate: GateMode = "precomputed",
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    l2norm_qk: bool = False,
+    state_layout: StateLayout = "kv",
+    chunk_size: int = 64,
+    beta_mode: BetaMode = "prob",
+) -> dict[str, Tensor]:
+    """The first stages of FLA's chunked backward in fp64 (kda-math §8), chunk by chunk: the per-stage
+    oracle that backward kernels are tested against, each stage on its own.
+
+    Arguments as :func:`kda_chunked_reference`, plus ``do`` (the gradient of o, [B, T, HV, V]) and ``dht``
+    (of the final state, in ``state_layout``; None: zero). Gradients are of the *prepared* inputs (the gate,
+    l2norm, scale, beta mode and the GVA expansion applied), per value head:
+    - ``dq``: [B, T, HV, K], of scale * l2norm(q) expanded to the value heads (sum over a group for GVA, then
+      the l2norm and scale backward give the raw q's);
+    - ``dv``: [B, T, HV, V], of v (no transform: the raw gradient);
+    - ``dh0``: [N, HV, K, V] or [N, HV, V, K] (``state_layout``), of the initial state;
+    - ``dAqk``: [B, T, HV, chunk_size], row r of a chunk holds d Aqk[r, s] for its chunk's columns s (zero
+      past the chunk's tokens and above the diagonal);
+    - ``dh``: [chunks, HV, K, V], the gradient of the state entering each chunk, in sequence and chunk
+      order (the reverse scan's output, kv layout).
+    dk, dg and dbeta (the WY backward and the intra-chunk gate terms, stages 5-8) are not part of it yet:
+    `kda_reference_autograd` gives the whole gradient.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    p = _prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, gate=gate,
+                 A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk,
+                 state_layout=state_layout, dtype=torch.float64, beta_mode=beta_mode)
+    B, T, HV, V = p.out_shape
+    K = p.k.shape[-1]
+    f64 = {"dtype": torch.float64, "device": p.v.device}
+    dO = do.to(torch.float64)
+    dq = torch.zeros(B, T, HV, K, **f64)
+    dv = torch.zeros(B, T, HV, V, **f64)
+    dAqk = torch.zeros(B, T, HV, chunk_size, **f64)
+    dh0, dh_all = [], []
+    for i, (b, bos, eos) in enumerate(p.seqs):
+        S = p.h0[i].clone() if p.h0 is not None else torch.zeros(HV, K, V, **f64)
+        starts, states = list(range(bos, eos, chunk_size)), []
+        for c0 in starts:  # stage 1: the states entering the chunks
+            states.append(S)
+            sl = (b, slice(c0, min(c0 + chunk_size, eos)))
+            _, S = _chunk_step(*(x[sl].transpose(0, 1) for x in (p.q, p.k, p.v, p.g, p.beta)), S)
+        dS = torch.zeros(HV, K, V, **f64)
+        if dht is not None:
+            dS = dht[i].to(torch.float64)
+            dS = dS.transpose(-1, -2) if state_layout == "vk" else dS
+        dh_seq = []
+        for c0, S_in in zip(reversed(starts), reversed(states)):
+            c1 = min(c0 + chunk_size, eos)
+            sl = (b, slice(c0, c1))
+            dqc, dvc, dS, dA = _chunk_stage_backward(
+                *(x[sl].transpose(0, 1) for x in (p.q, p.k, p.v, p.g, p.beta)), S_in,
+                dO[sl].transpose(0, 1), dS)
+            dq[b, c0:c1], dv[b, c0:c1] = dqc.transpose(0, 1), dvc.transpose(0, 1)
+            dAqk[b, c0:c1, :, : c1 - c0] = dA.transpose(0, 1)
+            dh_seq.append(dS)
+        dh_all += reversed(dh_seq)
+        dh0.append(dS)
+    empty = torch.zeros(0, HV, K, V, **f64)
+    return {"dq": dq, "dv": dv, "dh0": _final_layout(torch.stack(dh0), state_layout), "dAqk": dAqk,
+            "dh": torch.stack(dh_all) if dh_all else empty}
 
 
 # ----------------------------------------------------------------------------------------------------------
