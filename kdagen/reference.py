@@ -551,39 +551,65 @@ def kda_chunked_reference(
 
 def _chunk_stage_backward(
     qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor, doc: Tensor, dS: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward of `_chunk_step` for q, v and the state, by FLA's stage formulas (kda-math §8): the
-    chunk's forward is recomputed (stage 1); dAqk = tril(dO V_new^T) and dV_new = Aqk^T dO + Kg dS'
-    (stages 2 and 4: the local term and the inter-chunk one); dS = (Q * exp(G))^T dO + exp(G_last) * dS'
-    - W^T dV_new (the reverse scan, stage 4); dv = diag(beta) Tinv^T dV_new (through U = Tinv diag(beta) V,
-    stage 5); dq = (dO S^T) * exp(G) + sum_s dAqk[r, s] k_s exp(G_r - G_s) (stages 5 and 6). Returns
-    (dq [HV,n,K], dv [HV,n,V], dS entering the chunk [HV,K,V], dAqk [HV,n,n])."""
+) -> dict[str, Tensor]:
+    """The backward of `_chunk_step` by FLA's stage formulas (kda-math §8), for one chunk (inputs [HV,n,*],
+    S the state entering it, dS the gradient of the state leaving it). Stage 1 recomputes the forward;
+    stage 2: dAqk = tril(dO V_new^T); stage 4 (the reverse scan): dV_new = Aqk^T dO + Kg dS' and
+    dS = (Q * exp(G))^T dO + exp(G_last) * dS' - W^T dV_new; stage 5 (the WY form): dU = dV_new,
+    dW = -dV_new S^T, dA = dU V^T + dW (K * exp(G))^T, dv = A^T dU, the inverse's
+    dL = -Tinv^T (dA diag(beta)) Tinv^T on the strict lower triangle, dbeta from A's columns and L's rows;
+    stage 6 (intra-chunk): dAqk and dAkk = beta_r dL back to q, k and the pairwise decays; stage 8: dg is the
+    reverse cumsum of the gradient of the chunk-local cumsum G. Returns dq, dk, dv, dg, dbeta (of the chunk's
+    inputs), dS (entering the chunk) and dAqk."""
     n = qc.shape[1]
     dev, dt = qc.device, qc.dtype
+    zero = torch.zeros((), dtype=dt, device=dev)
     G = gc.cumsum(dim=1)
     rows = torch.arange(n, device=dev)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     diff = G[:, :, None, :] - G[:, None, :, :]
     E = torch.where(incl[None, :, :, None], diff, torch.full((), float("-inf"), dtype=dt, device=dev)).exp()
-    Ek = E * kc[:, None, :, :]
-    Aqk = torch.einsum("hrd,hrsd->hrs", qc, Ek)
-    Akk = torch.einsum("hrd,hrsd->hrs", kc, Ek)
-    L = torch.where(strict, bc[:, :, None] * Akk, torch.zeros((), dtype=dt, device=dev))
+    Aqk = torch.einsum("hrd,hsd,hrsd->hrs", qc, kc, E)
+    Akk = torch.einsum("hrd,hsd,hrsd->hrs", kc, kc, E)
+    L = torch.where(strict, bc[:, :, None] * Akk, zero)
     eye = torch.eye(n, dtype=dt, device=dev).expand(qc.shape[0], n, n)
     Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+    A = Tinv * bc[:, None, :]
     eG = G.exp()
-    W = (Tinv * bc[:, None, :]) @ (kc * eG)
-    U = (Tinv * bc[:, None, :]) @ vc
+    KE = kc * eG
+    W, U = A @ KE, A @ vc
     v_new = U - W @ S
     g_last = G[:, -1:, :]
-    kg = kc * (g_last - G).exp()
+    eL = (g_last - G).exp()
+    kg = kc * eL
+    # stages 2 and 4
     dv_new = Aqk.transpose(1, 2) @ doc + kg @ dS
-    dAqk = torch.where(incl, doc @ v_new.transpose(1, 2), torch.zeros((), dtype=dt, device=dev))
+    dAqk = torch.where(incl, doc @ v_new.transpose(1, 2), zero)
     dS_in = (qc * eG).transpose(1, 2) @ doc + g_last.transpose(1, 2).exp() * dS - W.transpose(1, 2) @ dv_new
-    dv = bc[:, :, None] * (Tinv.transpose(1, 2) @ dv_new)
-    dq = (doc @ S.transpose(1, 2)) * eG + torch.einsum("hrs,hrsd->hrd", dAqk, Ek)
-    return dq, dv, dS_in, dAqk
+    # stage 5: through U = A V, W = A (K * exp(G)), A = Tinv diag(beta), Tinv = (I + L)^-1
+    dW = -dv_new @ S.transpose(1, 2)
+    dA = dv_new @ vc.transpose(1, 2) + dW @ KE.transpose(1, 2)
+    dv = A.transpose(1, 2) @ dv_new
+    dKE = A.transpose(1, 2) @ dW
+    dbeta = (dA * Tinv).sum(dim=1)  # A's column s carries beta_s
+    dL = torch.where(strict, -Tinv.transpose(1, 2) @ (dA * bc[:, None, :]) @ Tinv.transpose(1, 2), zero)
+    dbeta = dbeta + (dL * Akk).sum(dim=2)  # L's row r carries beta_r
+    dAkk = dL * bc[:, :, None]
+    # stage 6: the pairwise products back to q, k and the decays exp(G_r - G_s)
+    dq = (doc @ S.transpose(1, 2)) * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
+    dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
+          + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dKE * eG)
+    dE = (dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]) * kc[:, None, :, :] * E
+    dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + (doc @ S.transpose(1, 2)) * qc * eG
+    # the inter-chunk decays: kg = K * exp(G_last - G) and exp(G_last) on the state
+    dkg = v_new @ dS.transpose(1, 2)
+    dk = dk + dkg * eL
+    dG = dG - dkg * kg
+    dG[:, -1, :] += (dkg * kg).sum(dim=1) + (S * dS).sum(dim=2) * g_last[:, 0, :].exp()
+    # stage 8: G is the chunk-local cumsum of g
+    dg = dG.flip(1).cumsum(dim=1).flip(1)
+    return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": dbeta, "dS": dS_in, "dAqk": dAqk}
 
 
 def kda_chunked_backward_stages(
@@ -607,22 +633,21 @@ def kda_chunked_backward_stages(
     chunk_size: int = 64,
     beta_mode: BetaMode = "prob",
 ) -> dict[str, Tensor]:
-    """The first stages of FLA's chunked backward in fp64 (kda-math §8), chunk by chunk: the per-stage
-    oracle that backward kernels are tested against, each stage on its own.
+    """FLA's chunked backward in fp64 (kda-math §8), chunk by chunk and stage by stage: the oracle that
+    backward kernels are tested against, each stage on its own (`_chunk_stage_backward` has the formulas).
 
     Arguments as :func:`kda_chunked_reference`, plus ``do`` (the gradient of o, [B, T, HV, V]) and ``dht``
-    (of the final state, in ``state_layout``; None: zero). Gradients are of the *prepared* inputs (the gate,
-    l2norm, scale, beta mode and the GVA expansion applied), per value head:
-    - ``dq``: [B, T, HV, K], of scale * l2norm(q) expanded to the value heads (sum over a group for GVA, then
-      the l2norm and scale backward give the raw q's);
-    - ``dv``: [B, T, HV, V], of v (no transform: the raw gradient);
+    (of the final state, in ``state_layout``; None: zero). Gradients are of the *prepared* inputs, per value
+    head: q is scale * l2norm(q) and k is l2norm(k), both expanded to the value heads (sum over a group for
+    GVA, then the l2norm and scale backward give the raw gradients); g is the log-decay after the gate (its
+    backward, `kda_gate`'s, gives the raw gate's, dA_log and ddt_bias); beta after the beta mode.
+    - ``dq``, ``dk``, ``dg``: [B, T, HV, K]; ``dv``: [B, T, HV, V] (v has no transform: the raw gradient);
+      ``dbeta``: [B, T, HV];
     - ``dh0``: [N, HV, K, V] or [N, HV, V, K] (``state_layout``), of the initial state;
     - ``dAqk``: [B, T, HV, chunk_size], row r of a chunk holds d Aqk[r, s] for its chunk's columns s (zero
       past the chunk's tokens and above the diagonal);
     - ``dh``: [chunks, HV, K, V], the gradient of the state entering each chunk, in sequence and chunk
       order (the reverse scan's output, kv layout).
-    dk, dg and dbeta (the WY backward and the intra-chunk gate terms, stages 5-8) are not part of it yet:
-    `kda_reference_autograd` gives the whole gradient.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -633,8 +658,9 @@ def kda_chunked_backward_stages(
     K = p.k.shape[-1]
     f64 = {"dtype": torch.float64, "device": p.v.device}
     dO = do.to(torch.float64)
-    dq = torch.zeros(B, T, HV, K, **f64)
-    dv = torch.zeros(B, T, HV, V, **f64)
+    out = {"dq": torch.zeros(B, T, HV, K, **f64), "dk": torch.zeros(B, T, HV, K, **f64),
+           "dv": torch.zeros(B, T, HV, V, **f64), "dg": torch.zeros(B, T, HV, K, **f64),
+           "dbeta": torch.zeros(B, T, HV, **f64)}
     dAqk = torch.zeros(B, T, HV, chunk_size, **f64)
     dh0, dh_all = [], []
     for i, (b, bos, eos) in enumerate(p.seqs):
@@ -652,16 +678,18 @@ def kda_chunked_backward_stages(
         for c0, S_in in zip(reversed(starts), reversed(states)):
             c1 = min(c0 + chunk_size, eos)
             sl = (b, slice(c0, c1))
-            dqc, dvc, dS, dA = _chunk_stage_backward(
+            grads = _chunk_stage_backward(
                 *(x[sl].transpose(0, 1) for x in (p.q, p.k, p.v, p.g, p.beta)), S_in,
                 dO[sl].transpose(0, 1), dS)
-            dq[b, c0:c1], dv[b, c0:c1] = dqc.transpose(0, 1), dvc.transpose(0, 1)
-            dAqk[b, c0:c1, :, : c1 - c0] = dA.transpose(0, 1)
+            for name in ("dq", "dk", "dv", "dg", "dbeta"):
+                out[name][b, c0:c1] = grads[name].transpose(0, 1)
+            dAqk[b, c0:c1, :, : c1 - c0] = grads["dAqk"].transpose(0, 1)
+            dS = grads["dS"]
             dh_seq.append(dS)
         dh_all += reversed(dh_seq)
         dh0.append(dS)
     empty = torch.zeros(0, HV, K, V, **f64)
-    return {"dq": dq, "dv": dv, "dh0": _final_layout(torch.stack(dh0), state_layout), "dAqk": dAqk,
+    return {**out, "dh0": _final_layout(torch.stack(dh0), state_layout), "dAqk": dAqk,
             "dh": torch.stack(dh_all) if dh_all else empty}
 
 

@@ -1,7 +1,8 @@
 """The stagewise fp64 backward oracle (`kda_chunked_backward_stages`, FLA's chunked backward formulas of
-kda-math §8) against torch.autograd of the token recurrence (`kda_reference_autograd`): dq, dv and dh0
-agree to the fp64 rounding floor over gate forms, hard resets, GVA, varlen, both state layouts and partial
-chunks."""
+kda-math §8) against torch.autograd of the token recurrence (`kda_reference_autograd`): dq, dk, dv, dg,
+dbeta, dh0 (and, through the gate's and beta's own backward, dA_log, ddt_bias and the raw gate's and
+logits' gradients) agree to the fp64 rounding floor over gate forms, hard resets, GVA, varlen, both state
+layouts and partial chunks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from kdagen.reference import kda_chunked_backward_stages, kda_reference_autograd, make_inputs
+from kdagen.reference import (
+    kda_beta,
+    kda_chunked_backward_stages,
+    kda_gate,
+    kda_reference_autograd,
+    make_inputs,
+)
 
 F64 = torch.float64
 
@@ -34,8 +41,9 @@ def _run(case: tuple, seed: int = 1) -> tuple[dict[str, Any], dict[str, torch.Te
                       safe_gate=lb is not None, lower_bound=lb, seed=seed, device="cpu", l2norm_qk=False,
                       cu_seqlens=cu, with_initial_state=True, state_layout=layout, beta_mode=beta_mode,
                       **extra)
-    for name in ("q", "k", "v", "g", "beta", "initial_state"):
-        inp[name] = inp[name].detach().to(F64).requires_grad_(True)
+    for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"):
+        if inp[name] is not None:
+            inp[name] = inp[name].detach().to(F64).requires_grad_(True)
     kw = {"scale": 0.3, "cu_seqlens": cu, "state_layout": layout, "gate": gate, "A_log": inp["A_log"],
           "dt_bias": inp["dt_bias"], "lower_bound": lb, "beta_mode": beta_mode}
     o, ht = kda_reference_autograd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
@@ -47,11 +55,12 @@ def _run(case: tuple, seed: int = 1) -> tuple[dict[str, Any], dict[str, torch.Te
     stages = kda_chunked_backward_stages(
         *(inp[name].detach() for name in ("q", "k", "v", "g", "beta")), do, dht=dht,
         initial_state=inp["initial_state"].detach(), chunk_size=chunk, **kw)
-    return inp, stages, {"H": H, "HV": HV, "K": K, "chunk": chunk, "cu": cu, "B": B, "T": T}
+    return inp, stages, {"H": H, "HV": HV, "K": K, "chunk": chunk, "cu": cu, "B": B, "T": T, "gate": gate,
+                         "lb": lb, "beta_mode": beta_mode}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[9]}-{c[8]}-HV{c[3]}-{'varlen' if c[7] else 'fixed'}-{i}"
@@ -59,11 +68,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_stages_give_autograds_dq_dv_dh0(case: tuple) -> None:
     inp, st, m = _run(tuple(x.copy() if isinstance(x, dict) else x for x in case))
     assert torch.isfinite(st["dq"]).all() and torch.isfinite(st["dh"]).all()
-    # dq of the prepared q (scale applied, expanded to the value heads): summed over each group, times scale
-    dq = st["dq"].view(*st["dq"].shape[:2], m["H"], m["HV"] // m["H"], m["K"]).sum(3) * 0.3
-    assert _rel(dq, inp["q"].grad) < 1e-12
+    # q and k as prepared (scale applied to q, both expanded to the value heads): summed over each group
+    group = (*st["dq"].shape[:2], m["H"], m["HV"] // m["H"], m["K"])
+    assert _rel(st["dq"].view(group).sum(3) * 0.3, inp["q"].grad) < 1e-12
+    assert _rel(st["dk"].view(group).sum(3), inp["k"].grad) < 1e-12
     assert _rel(st["dv"], inp["v"].grad) < 1e-12
     assert _rel(st["dh0"], inp["initial_state"].grad) < 1e-12
+    # the gate's and beta's own backward (kda_gate, kda_beta) carry dg and dbeta to the raw inputs
+    raw = [inp["g"]] + [inp[n] for n in ("A_log", "dt_bias") if inp[n] is not None]
+    gate = kda_gate(inp["g"], gate=m["gate"], A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=m["lb"])
+    for x, want in zip(raw, torch.autograd.grad(gate, raw, st["dg"])):
+        assert _rel(want, x.grad) < 1e-12
+    (dbeta,) = torch.autograd.grad(kda_beta(inp["beta"], m["beta_mode"]), [inp["beta"]], st["dbeta"])
+    assert _rel(dbeta, inp["beta"].grad) < 1e-12
 
 
 def test_chunk_state_gradients_and_dAqk_shape() -> None:
