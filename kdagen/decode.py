@@ -34,6 +34,7 @@ from kdagen.runtime import (
     _prepared,
     _props,
     check_has_initial_state,
+    check_index_tensor,
     check_scale,
     check_state_indices,
     check_state_pool,
@@ -102,13 +103,8 @@ def validate_decode_inputs(
             f"[N], got {list(state_indices.shape)}"))
 
     if num_accepted_tokens is not None:
-        t = num_accepted_tokens
-        _need(isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == nreq, lambda: (
-            f"num_accepted_tokens: expected a tensor [N] = [{nreq}], got {list(getattr(t, 'shape', [t]))}"))
-        _need(t.dtype in (torch.int32, torch.int64), lambda: (
-            f"num_accepted_tokens: expected dtype torch.int32 or torch.int64, got {t.dtype}"))
-        _need(t.device == device,
-              lambda: f"num_accepted_tokens: expected a tensor on {device}, got {t.device}")
+        check_index_tensor("num_accepted_tokens", num_accepted_tokens, device,
+                           lambda t: t.dim() == 1 and t.shape[0] == nreq, f"a tensor [N] = [{nreq}]")
         _need(cols > 1, "num_accepted_tokens: given, but state_indices has one column ([N, M] with M > 1 "
               "names the slot after each token)")
     if has_initial_state is not None:

@@ -409,21 +409,26 @@ def check_state_pool(spec: KernelSpec, state_pool: Any, hv: int, device: torch.d
         "state_pool: expected 16-byte aligned slots (the base pointer and the slot stride in bytes)"))
 
 
+def check_index_tensor(name: str, t: Any, device: torch.device, shape_ok: Callable[[torch.Tensor], bool],
+                       expected: str) -> None:
+    """InputError unless `t` is an int32/int64 tensor on `device` whose shape passes `shape_ok` (`expected`
+    says which shape): the checks of every tensor of indices, slots or token counts."""
+    _need(isinstance(t, torch.Tensor), lambda: f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _need(t.dtype in (torch.int32, torch.int64), lambda: (
+        f"{name}: expected dtype torch.int32 or torch.int64, got {t.dtype}"))
+    _need(t.device == device, lambda: f"{name}: expected a tensor on {device} (where q is), got {t.device}")
+    _need(shape_ok(t), lambda: f"{name}: expected {expected}, got {list(t.shape)}")
+
+
 def check_state_indices(state_indices: Any, n: int, device: torch.device, *, unit: str,
                         columns: bool = False) -> int:
     """InputError unless `state_indices` is an int32/int64 tensor on `device` of shape [N] (or, with
     `columns`, [N, M]) for the call's `n` sequences or requests (`unit` names them in the message); returns
     M (1 for [N])."""
-    _need(isinstance(state_indices, torch.Tensor), lambda: (
-        f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}"))
-    _need(state_indices.dtype in (torch.int32, torch.int64), lambda: (
-        f"state_indices: expected dtype torch.int32 or torch.int64, got {state_indices.dtype}"))
-    _need(state_indices.device == device, lambda: (
-        f"state_indices: expected a tensor on {device} (where q is), got {state_indices.device}"))
     dims = (1, 2) if columns else (1,)
     form = "[N] or [N, M]" if columns else "[N]"
-    _need(state_indices.dim() in dims and state_indices.shape[0] == n, lambda: (
-        f"state_indices: expected {form} with N = {n} {unit}, got {list(state_indices.shape)}"))
+    check_index_tensor("state_indices", state_indices, device, lambda t: t.dim() in dims and t.shape[0] == n,
+                       f"{form} with N = {n} {unit}")
     return 1 if state_indices.dim() == 1 else state_indices.shape[1]
 
 
@@ -471,23 +476,14 @@ def check_checkpoints(checkpoint_interval: Any, start_positions: Any, checkpoint
     _need(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c > 0 and c % CHUNK == 0, lambda: (
         f"checkpoint_interval: expected a positive multiple of {CHUNK} (tokens between checkpoints), got "
         f"{c!r}"))
-    t = checkpoint_indices
-    _need(t is not None, "checkpoint_indices: required with checkpoint_interval ([N, M] pool slots)")
-    _need(isinstance(t, torch.Tensor),
-          lambda: f"checkpoint_indices: expected a torch.Tensor, got {type(t).__name__}")
-    _need(t.dtype in (torch.int32, torch.int64), lambda: (
-        f"checkpoint_indices: expected dtype torch.int32 or torch.int64, got {t.dtype}"))
-    _need(t.device == device, lambda: f"checkpoint_indices: expected a tensor on {device}, got {t.device}")
-    _need(t.dim() == 2 and t.shape[0] == n and t.shape[1] >= 1, lambda: (
-        f"checkpoint_indices: expected [N, M] with N = {n} sequences and M >= 1, got {list(t.shape)}"))
+    _need(checkpoint_indices is not None,
+          "checkpoint_indices: required with checkpoint_interval ([N, M] pool slots)")
+    check_index_tensor("checkpoint_indices", checkpoint_indices, device,
+                       lambda t: t.dim() == 2 and t.shape[0] == n and t.shape[1] >= 1,
+                       f"[N, M] with N = {n} sequences and M >= 1")
     if start_positions is not None:
-        p = start_positions
-        _need(isinstance(p, torch.Tensor) and p.dim() == 1 and p.shape[0] == n, lambda: (
-            f"start_positions: expected a tensor [N] = [{n}], got "
-            f"{list(getattr(p, 'shape', [type(p).__name__]))}"))
-        _need(p.dtype in (torch.int32, torch.int64), lambda: (
-            f"start_positions: expected dtype torch.int32 or torch.int64, got {p.dtype}"))
-        _need(p.device == device, lambda: f"start_positions: expected a tensor on {device}, got {p.device}")
+        check_index_tensor("start_positions", start_positions, device,
+                           lambda t: t.dim() == 1 and t.shape[0] == n, f"a tensor [N] = [{n}]")
 
 
 def validate_forward_inputs(
