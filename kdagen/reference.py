@@ -464,10 +464,9 @@ def kda_reference_autograd(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _chunk_step(
-    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor
-) -> tuple[Tensor, Tensor]:
-    """One chunk of n <= C tokens, all value heads: inputs [HV,n,*], state S [HV,K,V] -> (o [HV,n,V], S)."""
+def _chunk_parts(qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor) -> dict[str, Tensor]:
+    """The intermediates of one chunk of n <= C tokens, all value heads (inputs [HV,n,*], the state S [HV,K,V]
+    entering it): what the forward computes and the backward recomputes (stage 1 of kda-math §8)."""
     n = qc.shape[1]
     dev, dt = qc.device, qc.dtype
     G = gc.cumsum(dim=1)  # chunk-local inclusive cumsum (natural log), [HV,n,K]
@@ -486,13 +485,23 @@ def _chunk_step(
     Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
     A = Tinv * bc[:, None, :]  # Tinv diag(beta)
     eG = G.exp()  # <= 1
-    W = A @ (kc * eG)  # [HV,n,K]
+    KE = kc * eG
+    W = A @ KE  # [HV,n,K]
     U = A @ vc  # [HV,n,V]
     v_new = U - W @ S
-    o = (qc * eG) @ S + Aqk @ v_new
     g_last = G[:, -1:, :]  # cumsum at the last valid token of this (possibly partial) chunk
-    kg = kc * (g_last - G).exp()  # <= 1
-    S = g_last.transpose(1, 2).exp() * S + kg.transpose(1, 2) @ v_new
+    eL = (g_last - G).exp()  # <= 1
+    return {"incl": incl, "strict": strict, "E": E, "Ek": Ek, "Aqk": Aqk, "Akk": Akk, "Tinv": Tinv, "A": A,
+            "eG": eG, "KE": KE, "W": W, "v_new": v_new, "g_last": g_last, "eL": eL, "kg": kc * eL}
+
+
+def _chunk_step(
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One chunk of n <= C tokens, all value heads: inputs [HV,n,*], state S [HV,K,V] -> (o [HV,n,V], S)."""
+    c = _chunk_parts(qc, kc, vc, gc, bc, S)
+    o = (qc * c["eG"]) @ S + c["Aqk"] @ c["v_new"]
+    S = c["g_last"].transpose(1, 2).exp() * S + c["kg"].transpose(1, 2) @ c["v_new"]
     return o, S
 
 
@@ -561,28 +570,10 @@ def _chunk_stage_backward(
     stage 6 (intra-chunk): dAqk and dAkk = beta_r dL back to q, k and the pairwise decays; stage 8: dg is the
     reverse cumsum of the gradient of the chunk-local cumsum G. Returns dq, dk, dv, dg, dbeta (of the chunk's
     inputs), dS (entering the chunk) and dAqk."""
-    n = qc.shape[1]
-    dev, dt = qc.device, qc.dtype
-    zero = torch.zeros((), dtype=dt, device=dev)
-    G = gc.cumsum(dim=1)
-    rows = torch.arange(n, device=dev)
-    incl = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    diff = G[:, :, None, :] - G[:, None, :, :]
-    E = torch.where(incl[None, :, :, None], diff, torch.full((), float("-inf"), dtype=dt, device=dev)).exp()
-    Aqk = torch.einsum("hrd,hsd,hrsd->hrs", qc, kc, E)
-    Akk = torch.einsum("hrd,hsd,hrsd->hrs", kc, kc, E)
-    L = torch.where(strict, bc[:, :, None] * Akk, zero)
-    eye = torch.eye(n, dtype=dt, device=dev).expand(qc.shape[0], n, n)
-    Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
-    A = Tinv * bc[:, None, :]
-    eG = G.exp()
-    KE = kc * eG
-    W, U = A @ KE, A @ vc
-    v_new = U - W @ S
-    g_last = G[:, -1:, :]
-    eL = (g_last - G).exp()
-    kg = kc * eL
+    c = _chunk_parts(qc, kc, vc, gc, bc, S)
+    incl, strict, E, Aqk, Akk, Tinv, A = (c[x] for x in ("incl", "strict", "E", "Aqk", "Akk", "Tinv", "A"))
+    eG, KE, W, v_new, g_last, eL, kg = (c[x] for x in ("eG", "KE", "W", "v_new", "g_last", "eL", "kg"))
+    zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
     # stages 2 and 4
     dv_new = Aqk.transpose(1, 2) @ doc + kg @ dS
     dAqk = torch.where(incl, doc @ v_new.transpose(1, 2), zero)
@@ -597,11 +588,12 @@ def _chunk_stage_backward(
     dbeta = dbeta + (dL * Akk).sum(dim=2)  # L's row r carries beta_r
     dAkk = dL * bc[:, :, None]
     # stage 6: the pairwise products back to q, k and the decays exp(G_r - G_s)
-    dq = (doc @ S.transpose(1, 2)) * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
+    dQg = doc @ S.transpose(1, 2)  # of Q * exp(G), the inter-chunk term of o
+    dq = dQg * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
     dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
           + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dKE * eG)
     dE = (dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]) * kc[:, None, :, :] * E
-    dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + (doc @ S.transpose(1, 2)) * qc * eG
+    dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + dQg * qc * eG
     # the inter-chunk decays: kg = K * exp(G_last - G) and exp(G_last) on the state
     dkg = v_new @ dS.transpose(1, 2)
     dk = dk + dkg * eL
