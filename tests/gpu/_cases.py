@@ -246,3 +246,35 @@ def copy_into(static: dict[str, Any], fresh: dict[str, Any]) -> None:
     for name, t in static.items():
         if t is not None:
             t.copy_(fresh[name])
+
+
+# Row-strided inputs: the tokens' q, k, v, g, beta as slices of packed projections, as engines give them.
+PAD = 24  # extra columns of each projection (a multiple of 8: 16-byte token strides in bf16 and fp32)
+SENTINEL = 7.0
+
+
+def packed_projections(inp: dict[str, Any], shift: int = 0) -> dict[str, Any]:
+    """q, k, v as column slices of one [B, T, 3 H K + PAD (+ shift)] projection (q starting `shift` columns
+    in), g and beta of one [B, T, HV K + 16 + PAD] gate projection in g's dtype where beta's dtype is g's
+    (beta in the 16 columns after g's), else beta of its own [B, T, HV + PAD]."""
+    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+    b, t = q.shape[:2]
+    wq, wv = q.shape[2] * q.shape[3], v.shape[2] * v.shape[3]
+    qkv = torch.full((b, t, 2 * wq + wv + PAD + shift), SENTINEL, dtype=q.dtype, device=q.device)
+    out: dict[str, Any] = {}
+    for name, x, start in (("q", q, shift), ("k", k, shift + wq), ("v", v, shift + 2 * wq)):
+        view = qkv[..., start:start + x.shape[2] * x.shape[3]].view(x.shape)
+        view.copy_(x)
+        out[name] = view
+    wg, hv = g.shape[2] * g.shape[3], g.shape[2]
+    same = beta.dtype == g.dtype
+    gate = torch.full((b, t, wg + 16 + PAD), SENTINEL, dtype=g.dtype, device=g.device)
+    out["g"] = gate[..., :wg].view(g.shape)
+    out["g"].copy_(g)
+    if same:
+        out["beta"] = gate[..., wg:wg + hv]
+    else:
+        out["beta"] = torch.full((b, t, hv + PAD), SENTINEL, dtype=beta.dtype, device=beta.device)[..., :hv]
+    out["beta"].copy_(beta)
+    out["buffers"] = (qkv, gate)
+    return out

@@ -247,17 +247,6 @@ def test_bf16_state_error_over_1024_steps() -> None:
     assert errors[1024] <= 0.01, errors
 
 
-def _packed(x: torch.Tensor, spare: int) -> torch.Tensor:
-    # x's values in a view of a wider buffer: each token's row followed by `spare` other elements (a slice
-    # of one packed projection, as an engine's qkv/gate/beta projections give them).
-    n, s = x.shape[:2]
-    row = x[0, 0].numel()
-    buf = torch.full((n, s, row + spare), float("nan"), dtype=x.dtype, device=x.device)
-    view = buf[..., :row].view(x.shape)
-    view.copy_(x)
-    return view
-
-
 @pytest.mark.parametrize("spec_name", ["lb_safe", "lb_safe_gva2_vk_bbf16_logit_x2"])
 def test_decode_takes_slices_of_packed_projections(spec_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """q, k, v, g, beta as row-strided views go to the stage without a copy and give the same o and states
@@ -273,7 +262,8 @@ def test_decode_takes_slices_of_packed_projections(spec_name: str, monkeypatch: 
     pool_a = _pool(spec, n * s + 1, hv)
     pool_b = pool_a.clone()
     o_a = _call(kernel, inp, state_pool=pool_a, state_indices=idx)
-    strided = {**inp, **{key: _packed(inp[key], 24) for key in ("q", "k", "v", "g", "beta")}}
+    packed = cases.packed_projections(inp)
+    strided = {**inp, **{key: packed[key] for key in ("q", "k", "v", "g", "beta")}}
     copies: list[int] = []
     real = decode._compact
     monkeypatch.setattr(decode, "_compact", lambda t: copies.append(1) or real(t))
