@@ -1,0 +1,199 @@
+"""The chunk-local backward in torch (`kdagen.backward_local`) against the stagewise fp64 oracle
+(`kda_chunked_backward_stages`, chunk size 16): given each tile's entering state and the gradient of its
+leaving state, the batched tiles give the oracle's dq, dk, dv, dg and dbeta of the prepared inputs, over
+fixed-length and varlen batches (an empty sequence, partial tiles), GVA, hard resets, gate and beta forms,
+initial and final states, strided states and any slab size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kdagen.arch import CHUNK
+from kdagen.backward_local import DEFAULT_MAX_BATCH, TileMap, chunk_local_backward, tile_map, tile_slots
+from kdagen.chunk_math import chunk_stage_backward, chunk_step
+from kdagen.reference import HARD_RESET_G, _prepare, kda_chunked_backward_stages, make_inputs, rel_rmse
+from kdagen.workspace import layout
+
+Tensor = torch.Tensor
+F64 = torch.float64
+GRADS = ("dq", "dk", "dv", "dg", "dbeta")
+
+# name: (B, lengths (None: fixed length T), T, H, HV, K, V, gate, beta_mode, hard-reset tokens of the flat
+# token axis, state layout)
+CASES: dict[str, tuple] = {
+    "fixed_b2": (2, None, 37, 2, 2, 16, 16, "precomputed", "prob", (3, 20, 37 + 16), "kv"),
+    "varlen_gva": (1, [0, 5, 16, 33, 1, 20], 75, 1, 2, 32, 16, "precomputed", "prob", (5, 22, 40, 74), "vk"),
+    "varlen_lb_logit": (1, [17, 31, 0, 16], 64, 2, 4, 16, 32, "lower_bound", "logit_x2", (), "kv"),
+}
+
+
+def _cu(B: int, lengths: list[int] | None, T: int) -> list[int]:
+    lens = lengths if lengths is not None else [T] * B
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _case(name: str, seed: int = 3) -> dict[str, Any]:
+    """The prepared inputs of a case (fp64, token-major [total, HV, *]), a random dO and final-state gradient,
+    and the oracle's gradients."""
+    B, lengths, T, H, HV, K, V, gate, beta_mode, resets, state_layout = CASES[name]
+    cu = _cu(B, lengths, T)
+    lb = -5.0 if gate == "lower_bound" else None
+    inp = make_inputs(B, T, H, HV, K, V, dtype=F64, beta_dtype=F64, g_dtype=F64, gate=gate,
+                      beta_mode=beta_mode, safe_gate=False, lower_bound=lb, seed=seed, device="cpu",
+                      mask_p=0.1, hard_reset=True, cu_seqlens=cu if lengths is not None else None,
+                      with_initial_state=True, state_layout=state_layout)
+    g = inp["g"].reshape(B * T, HV, K).clone()
+    for t in resets:  # a hard reset of every channel of the token
+        g[t] = HARD_RESET_G
+    inp["g"] = g.reshape(B, T, HV, K)
+    kw = {"scale": 0.4, "cu_seqlens": inp["cu_seqlens"], "gate": gate, "A_log": inp["A_log"],
+          "dt_bias": inp["dt_bias"], "lower_bound": lb, "l2norm_qk": True, "state_layout": state_layout,
+          "beta_mode": beta_mode}
+    raw = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    p = _prepare(*raw, initial_state=inp["initial_state"], dtype=F64, **kw)
+    gen = torch.Generator().manual_seed(seed + 7)
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=F64)
+    N = len(cu) - 1
+    dht = torch.randn((N, HV, K, V) if state_layout == "kv" else (N, HV, V, K), generator=gen, dtype=F64)
+    ref = kda_chunked_backward_stages(*raw, do, dht=dht, initial_state=inp["initial_state"], chunk_size=CHUNK,
+                                      **kw)
+    flat = {x: getattr(p, x).reshape(B * T, *getattr(p, x).shape[2:]) for x in ("q", "k", "v", "g", "beta")}
+    return {"cu": cu, "x": flat, "do": do.reshape(B * T, HV, V), "h0": p.h0,
+            "dht": dht if state_layout == "kv" else dht.transpose(-1, -2), "layout": state_layout,
+            "ref": {x: ref[x].reshape(B * T, *ref[x].shape[2:]) for x in GRADS}, "HV": HV, "K": K, "V": V}
+
+
+def _tile_states(c: dict[str, Any], fill: float = 0.0) -> tuple[Tensor, Tensor, list[int]]:
+    """h (the state entering each tile) and dh (the gradient of the state leaving it) [slots, HV, K, V], by
+    plain loops over each sequence's chunks; tile ids not used hold `fill`. Also the used ids."""
+    cu, x, HV, K, V = c["cu"], c["x"], c["HV"], c["K"], c["V"]
+    slots = len(cu) - 1 + cu[-1] // CHUNK + 1
+    h = torch.full((slots, HV, K, V), fill, dtype=F64)
+    dh = torch.full((slots, HV, K, V), fill, dtype=F64)
+    used = []
+    names = ("q", "k", "v", "g", "beta")
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        starts = range(bos, eos, CHUNK)
+        chunks = [(bos // CHUNK + n + j, c0, min(c0 + CHUNK, eos)) for j, c0 in enumerate(starts)]
+        S = c["h0"][n]
+        for tile, c0, c1 in chunks:
+            h[tile] = S
+            _, S = chunk_step(*(x[name][c0:c1].transpose(0, 1) for name in names), S)
+        dS = c["dht"][n]
+        for tile, c0, c1 in reversed(chunks):
+            dh[tile] = dS
+            dS = chunk_stage_backward(*(x[name][c0:c1].transpose(0, 1) for name in names), h[tile],
+                                      c["do"][c0:c1].transpose(0, 1), dS)["dS"]
+        used += [tile for tile, _, _ in chunks]
+    return h, dh, used
+
+
+def _run(c: dict[str, Any], h: Tensor, dh: Tensor, dtype: torch.dtype = F64, **kw: Any) -> dict[str, Tensor]:
+    x = c["x"]
+    total = x["q"].shape[0]
+    tmap = tile_map(torch.tensor(c["cu"], dtype=torch.int32), total)
+    if c["layout"] == "vk":  # the caller's states may be transposed views
+        h = h.transpose(-1, -2).contiguous().transpose(-1, -2)
+        dh = dh.transpose(-1, -2).contiguous().transpose(-1, -2)
+    args = [x[name].to(dtype) for name in ("q", "k", "v", "g", "beta")]
+    return chunk_local_backward(*args, c["do"].to(dtype), h.to(dtype), dh.to(dtype), tmap, **kw)
+
+
+def _assert_fp64_close(ref: dict[str, Tensor], out: dict[str, Tensor], tol: float = 1e-10) -> None:
+    for name in GRADS:
+        assert out[name].dtype == F64 and out[name].shape == ref[name].shape, name
+        err = (out[name] - ref[name]).abs().max().item()
+        scale = max(1.0, ref[name].abs().max().item())
+        assert err <= tol * scale, f"{name}: max abs err {err:.3e} (max |ref| {scale:.3e})"
+
+
+@pytest.mark.parametrize(
+    "cu",
+    [[0, 37, 74], [0, 0, 5, 21, 54, 55, 75], [0, 16, 16, 16, 32], [0, 1], [0, 15, 30, 30], [0, 0], [0, 64]],
+)
+def test_tile_map_matches_loop(cu: list[int]) -> None:
+    total = cu[-1]
+    tmap = tile_map(torch.tensor(cu, dtype=torch.int32), total)
+    tiles, rows = [], []
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        for t in range(bos, eos):
+            tiles.append(bos // 16 + n + (t - bos) // 16)
+            rows.append((t - bos) % 16)
+    assert isinstance(tmap, TileMap)
+    assert tmap.tile.dtype == torch.int64 and tmap.row.dtype == torch.int64
+    assert tmap.tile.tolist() == tiles and tmap.row.tolist() == rows
+    assert tmap.slots == total // 16 + len(cu) - 1 + 1
+    pairs = set(zip(tiles, rows))
+    assert len(pairs) == total and all(0 <= t < tmap.slots for t in tiles)  # injective, in range
+
+
+def test_tile_slots_is_the_workspace_rule() -> None:
+    for total, num_seqs in ((0, 1), (15, 1), (16, 1), (75, 6), (4096, 33)):
+        assert tile_slots(total, num_seqs) == total // 16 + num_seqs + 1
+        assert tile_slots(total, num_seqs) == layout(total, 8, num_seqs, 128, 2).tile_slots
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunk_local_backward_fp64(name: str) -> None:
+    c = _case(name)
+    h, dh, _ = _tile_states(c)
+    _assert_fp64_close(c["ref"], _run(c, h, dh))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunk_local_backward_fp32(name: str) -> None:
+    c = _case(name)
+    h, dh, _ = _tile_states(c)
+    out = _run(c, h, dh, torch.float32)
+    for grad in GRADS:
+        assert out[grad].dtype == torch.float32, grad
+        err = rel_rmse(c["ref"][grad], out[grad])
+        assert err < 1e-4, f"{grad}: rel RMSE {err:.3e}"
+
+
+@pytest.mark.parametrize("max_batch", [1, 4 * 4 + 3])
+def test_slab_size_does_not_change_results(max_batch: int) -> None:
+    """One tile per slab, and slabs of 4 tiles (HV = 4; 9 tile ids, so the last slab holds one), equal one
+    slab and the oracle."""
+    c = _case("varlen_lb_logit")
+    h, dh, _ = _tile_states(c)
+    one = _run(c, h, dh)
+    assert len(c["cu"]) - 1 + c["cu"][-1] // CHUNK + 1 <= DEFAULT_MAX_BATCH // c["HV"]  # one slab by default
+    small = _run(c, h, dh, max_batch=max_batch)
+    _assert_fp64_close(one, small, 1e-13)
+    _assert_fp64_close(c["ref"], small)
+
+
+def test_unused_tile_ids_do_not_leak() -> None:
+    """Tile ids that hold no token (an empty sequence's, the bound's spare ones) may hold NaN states."""
+    c = _case("varlen_gva")
+    h, dh, used = _tile_states(c, fill=float("nan"))
+    assert len(used) < h.shape[0] and not torch.isnan(h[used]).any()
+    out = _run(c, h, dh, max_batch=2 * c["HV"])
+    for name in GRADS:
+        assert torch.isfinite(out[name]).all(), name
+    _assert_fp64_close(c["ref"], out)
+
+
+def test_shapes_are_checked() -> None:
+    c = _case("fixed_b2")
+    h, dh, _ = _tile_states(c)
+    with pytest.raises(ValueError, match="dh"):
+        _run(c, h, dh[:-1])
+    with pytest.raises(ValueError, match="max_batch"):
+        _run(c, h, dh, max_batch=0)
+
+
+def test_empty_call() -> None:
+    tmap = tile_map(torch.tensor([0, 0]), 0)
+    z = torch.zeros(0, 2, 16, dtype=F64)
+    states = torch.zeros(tmap.slots, 2, 16, 16, dtype=F64)
+    out = chunk_local_backward(z, z, z, z, torch.zeros(0, 2, dtype=F64), z, states, states, tmap)
+    assert {name: tuple(x.shape) for name, x in out.items()} == {
+        "dq": (0, 2, 16), "dk": (0, 2, 16), "dv": (0, 2, 16), "dg": (0, 2, 16), "dbeta": (0, 2)}
