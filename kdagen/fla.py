@@ -244,8 +244,9 @@ def chunk_kda(
     capturable; rows past ``cu_seqlens[-1]`` get o = 0) and ``chunk_size`` 32 or 64 (the kernels step 16
     tokens; the recurrence is the same). ``use_beta_sigmoid_in_kernel`` and ``allow_neg_eigval`` pick the
     spec's ``beta`` (beta logits, the sigmoid and its doubling in the kernel). Refused with an `InputError`
-    naming the keyword: ``disable_recompute``, ``return_intermediate_states``, ``cp_context`` and any other
-    keyword, and inputs that require grad (the kernels are forward-only).
+    naming the keyword: ``return_intermediate_states``, ``cp_context`` and any other keyword. Inputs that
+    require grad record kdagen's autograd node (`kdagen.backward`); ``disable_recompute=True`` keeps the
+    forward's per-tile states for the backward instead of recomputing them, as FLA's keeps its intermediates.
     """
     v_first = _state_v_first(state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
@@ -255,8 +256,8 @@ def chunk_kda(
                       "keywords plus A_log, dt_bias, chunk_size, transpose_state_layout)")
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise _refuse("chunk_size", f"expected 32 or 64 (as FLA), got {chunk_size!r}")
-    _refuse_set("disable_recompute", disable_recompute, False,
-                "a backward option; the kernels are forward-only")
+    if not isinstance(disable_recompute, bool):
+        raise _refuse("disable_recompute", f"expected True or False, got {type(disable_recompute).__name__}")
     _refuse_set("return_intermediate_states", return_intermediate_states, False,
                 "the per-chunk states are not an output of the kernels")
     _refuse_set("cp_context", cp_context, None, "no multi-device context parallelism")
@@ -275,7 +276,8 @@ def chunk_kda(
         A_log, dt_bias = None, None  # FLA reads them only with the in-kernel gate
     kernel = kdagen.get_kernel(spec)
     return kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                  recompute=not disable_recompute)
 
 
 def _recurrent_kernel(name: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

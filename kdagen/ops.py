@@ -62,11 +62,14 @@ from kdagen.spec import KernelSpec, resolve_spec
 
 __all__ = [
     "kda_forward", "kda_decode", "spec_json", "policy_json", "OP_NAME", "POOL_OP_NAME", "DECODE_OP_NAME",
+    "TRAIN_OP_NAME", "BACKWARD_OP_NAME",
 ]
 
 OP_NAME = "kdagen::forward"
 POOL_OP_NAME = "kdagen::forward_pool"
 DECODE_OP_NAME = "kdagen::decode"
+TRAIN_OP_NAME = "kdagen::forward_train"
+BACKWARD_OP_NAME = "kdagen::backward"
 
 # Parsed JSON per string: the ops see the same few strings on every call.
 _spec_fields: dict[str, dict[str, Any]] = {}
@@ -204,18 +207,155 @@ def _forward_fake(
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
+def _forward_train(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = _kernel(spec_json)
+    if recompute:
+        o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                       initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, policy=_policy(policy_json))
+        return o, (ht if ht is not None else _absent(q, torch.float32)), _absent(q, torch.float32)
+    from kdagen.backward import tile_states
+
+    o, ht, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                policy=_policy(policy_json))
+    return o, (ht if output_final_state else _absent(q, torch.float32)), states
+
+
+@_forward_train.register_fake
+def _forward_train_fake(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    o, ht = _forward_fake(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
+                          output_final_state, cu_seqlens, policy_json)
+    if recompute:
+        return o, ht, _absent(q, torch.float32)
+    spec = _spec(spec_json)
+    from kdagen.backward_local import tile_slots
+
+    nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    slots = tile_slots(v.shape[0] * v.shape[1], nseq)
+    kdim, vdim = spec.head_dim_k, spec.head_dim_v
+    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
+    sdt = getattr(torch, DTYPES[spec.state_dtype].torch)
+    return o, ht, q.new_empty((slots, v.shape[2], *dims), dtype=sdt)
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    # Reached only when an input requires grad (the op called directly, not through kda_forward): refuse it
-    # with the runtime's error. The forward has run by then; its outputs are dropped with the error.
-    # Grad mode is off inside setup_context; it is called only when grad mode was on at the call.
-    refuse_grad(dict(zip(_GRAD_INPUTS, inputs[1:6] + inputs[7:10])))
+    # inputs: the op's arguments in schema order; both forward ops share the first 13 (`kdagen::forward`'s),
+    # and `kdagen::forward_train` returns the tile states third (empty when the backward recomputes them).
+    (spec_json_, q, k, v, g, beta, scale, A_log, dt_bias, initial_state, _out_final, cu_seqlens,
+     policy_json_) = inputs[:13]
+    states = output[2] if len(output) > 2 and output[2].numel() else None
+    ctx.spec_json, ctx.scale, ctx.policy_json = spec_json_, scale, policy_json_
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, states)
 
 
-def _backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
-    raise InputError("kdagen::forward: the kernel is forward-only (the backward is not available)")
+def _backward(ctx: Any, do: Any, dht: Any, *_states_grad: Any) -> tuple[Any, ...]:
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, states = ctx.saved_tensors
+    if dht is not None and dht.numel() == 0:
+        dht = None
+    grads = torch.ops.kdagen.backward(ctx.spec_json, q, k, v, g, beta, ctx.scale, A_log, dt_bias,
+                                      initial_state, cu_seqlens, ctx.policy_json, states, do, dht)
+    dq, dk, dv, dg, dbeta, d_alog, d_bias, dh0 = grads
+    needs = ctx.needs_input_grad
+    out = [None, dq, dk, dv, dg, dbeta, None,
+           d_alog if A_log is not None else None, d_bias if dt_bias is not None else None,
+           dh0.to(initial_state.dtype) if initial_state is not None else None, None, None, None]
+    out = [x if x is not None and needs[i] else None for i, x in enumerate(out)]
+    return tuple(out + [None] * (len(needs) - len(out)))
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
+_forward_train.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def _backward_op(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    states: torch.Tensor | None,
+    do: torch.Tensor | None,
+    dht: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    from kdagen.backward import run_backward
+
+    r = run_backward(_kernel(spec_json), q, k, v, g, beta, do, dht=dht, scale=scale, A_log=A_log,
+                     dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens, states=states,
+                     policy=_policy(policy_json))
+    # (An absent gradient is an empty tensor of its own: returns may not alias one another.)
+    return (r.dq, r.dk, r.dv, r.dg, r.dbeta, r.dA_log if r.dA_log is not None else _absent(q, torch.float32),
+            r.ddt_bias if r.ddt_bias is not None else _absent(q, torch.float32), r.dh0)
+
+
+@_backward_op.register_fake
+def _backward_op_fake(
+    spec_json: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    policy_json: str | None,
+    states: torch.Tensor | None,
+    do: torch.Tensor | None,
+    dht: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    spec = _spec(spec_json)
+    nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kdim, vdim = spec.head_dim_k, spec.head_dim_v
+    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta),
+            torch.empty_like(A_log) if A_log is not None else _absent(q, torch.float32),
+            torch.empty_like(dt_bias) if dt_bias is not None else _absent(q, torch.float32),
+            q.new_empty((nseq, v.shape[2], *dims), dtype=torch.float32))
 
 
 @torch.library.custom_op(POOL_OP_NAME, mutates_args=("state_pool",))
@@ -293,20 +433,41 @@ def kda_forward(
     checkpoint_interval: int | None = None,
     start_positions: torch.Tensor | None = None,
     checkpoint_indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(o, final_state or None)`` of the KDA forward of `spec` through the ``kdagen::forward`` op; with
     ``state_pool`` through ``kdagen::forward_pool``: ``(o, None)``, the final states (and the prefix-cache
-    checkpoints) written into the pool in place.
+    checkpoints) written into the pool in place. With grad enabled and an input that requires grad, through
+    ``kdagen::forward_train``, which records the autograd node (``recompute``: `KDAKernel.__call__`); the
+    pool form and ``out`` have no backward.
 
     The arguments are the runtime's (`kdagen.runtime.KDAKernel.__call__`); `spec` is a `KernelSpec`, a dict
     of fields, ``"file.yaml:name"`` or canonical JSON. Under `torch.compile` pass canonical JSON (or an
     object whose `spec_json` was taken outside the compiled region) so that nothing is resolved while
     tracing."""
-    _check_no_grad({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                    "initial_state": initial_state, "state_pool": state_pool})
+    grads = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+             "initial_state": initial_state}
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                               for t in grads.values())
+    if training and (state_pool is not None or out is not None):
+        refuse_grad(grads)
+    _check_no_grad({"state_pool": state_pool, "out": out})
     check_state_form(state_pool, state_indices, has_initial_state, initial_state, output_final_state,
                      checkpoint_interval, start_positions, checkpoint_indices)
     scale = _op_scale(scale, q.shape[-1])
+    if out is not None:  # no op takes out: the kernel writes it (inference only)
+        kern = kdagen.get_kernel(spec_json(spec))
+        return kern(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, policy=policy,
+                    state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+                    checkpoint_interval=checkpoint_interval, start_positions=start_positions,
+                    checkpoint_indices=checkpoint_indices, out=out)
+    if training:
+        o, ht, _ = torch.ops.kdagen.forward_train(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias,
+                                                  initial_state, output_final_state, cu_seqlens,
+                                                  policy_json(policy), recompute)
+        return o, (ht if output_final_state else None)
     if state_pool is not None:
         o = torch.ops.kdagen.forward_pool(spec_json(spec), q, k, v, g, beta, scale, A_log, dt_bias,
                                           cu_seqlens, policy_json(policy), state_pool, state_indices,

@@ -427,5 +427,11 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
-    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode)
+    # The backward's reverse state scan (templates/mma_sync/bwd_scan.py.j2): the forward recurrence's shape
+    # run last step to first on prepare's tiles and dO, in every family (it has the recurrence's products).
+    bwd_scan = StagePlan(
+        "bwd_scan", f"{shared}/bwd_scan.py.j2", rec_params,
+        note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
+    )
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_scan)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -41,8 +41,9 @@ Contract (what is validated, what is the caller's duty):
 - A_log: fp32 [HV]; dt_bias: fp32, exactly [HV * K] (as FLA takes it) or [HV, K]; no other shape with as many
   elements is accepted. H >= 1.
 - scale: None (K ** -0.5) or a finite real number > 0 (a Python or NumPy scalar, not a tensor or a bool).
-- The kernels are forward-only: with torch grad mode enabled, an input that requires grad is refused (the
-  backward is not available); run under `torch.no_grad()` / `torch.inference_mode()` or detach the inputs.
+- Training: with torch grad mode enabled, a compact-state forward whose inputs require grad records an
+  autograd node (`kdagen.backward`); decode, the forward on a state pool and a forward into `out` have no
+  backward and refuse such inputs (run them under `torch.no_grad()` / `torch.inference_mode()`).
 - Sizes must fit the kernels' 32-bit index arithmetic: B*T*H*K (q, k), B*T*HV*K (g and the per-token
   workspace rows), B*T*HV*V (v, o) and N*HV*K*V (the compact states; not a pool's) are each at most
   2**31 - 1 elements.
@@ -273,11 +274,13 @@ def _check_fits_int32(name: str, dims: dict[str, int]) -> None:
 
 
 def refuse_grad(tensors: dict[str, Any]) -> None:
-    """InputError naming the tensors of `tensors` that require grad: the kernels are forward-only."""
+    """InputError naming the tensors of `tensors` that require grad, for the calls that have no backward:
+    decode, the forward on a state pool, a forward into `out`."""
     wanting = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
     _need(not wanting, lambda: (
-        f"{', '.join(wanting)}: requires grad, but the kernel is forward-only (the backward is not "
-        "available); call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors"
+        f"{', '.join(wanting)}: requires grad, but this call has no backward (decode, the forward on a state "
+        "pool and a forward into out= are inference-only); call it under torch.no_grad() or "
+        "torch.inference_mode(), or pass detached tensors"
     ))
 
 
@@ -572,6 +575,7 @@ class KDAKernel:
         self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
+        self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
         params = {s.name: s.params for s in plan.stages}
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
@@ -744,6 +748,32 @@ class KDAKernel:
         return tuple(t.numel() == 0 or (t.is_contiguous() and t.data_ptr() % _ALIGN == 0)
                      or row_strided(t, unit) for t, unit in zip((q, k, v, g, beta), units))
 
+    def _run_prepare(self, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     gate_args: tuple[torch.Tensor, ...], cu: torch.Tensor, ws: workspace.Workspace,
+                     buf: torch.Tensor, sizes: tuple[int, ...], scale: float,
+                     sms: int) -> tuple[torch.Tensor, ...]:
+        """Prepare alone (the intra-card CP path, the backward): its per-tile intermediates carved from the
+        workspace `buf` ((kd, qd, akt [T, HV, K], aq [T, HV, 16], gt [tile slots, HV, K]) and cu_seqlens
+        clamped into [0, T] (the setup kernel's job on the plain path: prepare and the stages after it search
+        the offsets without clamps of their own). Launched on the current stream; returns (kd, qd, akt, aq,
+        gt, cu)."""
+        bsz, seqlen, nh, hv, nseq = sizes
+        total, kdim, dt = bsz * seqlen, self.spec.head_dim_k, _TORCH_DTYPE[self.spec.dtype]
+        buf = buf.view(-1)
+        kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
+        aq = _carve(buf, ws.aq, dt, (total, hv, CHUNK))
+        gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))
+        ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare, unread here
+        cu = torch.clamp(cu, 0, total, out=_carve(buf, ws.cu, torch.int32, (nseq + 1,)))
+        items = ws.tile_slots * -(-hv // self._prepare_heads_per_cta)
+        prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
+        if gate_args:
+            gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
+        self._prepare(q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
+                      beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready, float(scale),
+                      prepare_ctas, 0)
+        return kd, qd, akt, aq, gt, cu
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -766,9 +796,16 @@ class KDAKernel:
         start_positions: torch.Tensor | None = None,
         checkpoint_indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        recompute: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of the spec: ``(o, final_state or None)``; o is ``out`` when given (the caller's
         [B, T, HV, V] buffer, contiguous or row-strided: the module's contract).
+
+        With grad enabled and an input that requires grad (q, k, v, g, beta, A_log, dt_bias,
+        initial_state), the call goes through the ``kdagen::forward_train`` op and records its autograd
+        node (`kdagen.backward` has the backward): compact states only, no ``out``. The backward needs the
+        state entering every 16-token tile: ``recompute=True`` reruns the forward for them in the backward,
+        False keeps them from the forward (fp32 K x V per tile and value head: 16x o's bytes at K = V = 128).
 
         q, k, v, g and beta may be row-strided views (slices of one packed projection): read in place when
         their rows are compact, the token stride is a multiple of 16 bytes (beta: any), B and T fold into
@@ -782,6 +819,16 @@ class KDAKernel:
         call instead of the kernel's own (`with_policy` makes a kernel view that keeps one); scheduling
         never changes the results beyond the rounding of the chosen path (the fused paths are bit-identical
         to the two-stage path)."""
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (
+                q, k, v, g, beta, A_log, dt_bias, initial_state)):
+            from kdagen.ops import kda_forward
+
+            return kda_forward(self.spec, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               cu_seqlens=cu_seqlens, policy=policy, state_pool=state_pool,
+                               state_indices=state_indices, has_initial_state=has_initial_state,
+                               checkpoint_interval=checkpoint_interval, start_positions=start_positions,
+                               checkpoint_indices=checkpoint_indices, out=out, recompute=recompute)
         spec = self.spec
         kdim, vdim = spec.head_dim_k, spec.head_dim_v
         dt = _TORCH_DTYPE[spec.dtype]
@@ -894,21 +941,9 @@ class KDAKernel:
                               ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1, has_h0, store_ht,
                               int(pooled), every, int(sched.by_length), *sched.fused_args)
                 return o, ht
-            buf = buf.view(-1)
-            kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
-            aq = _carve(buf, ws.aq, dt, (total, hv, CHUNK))
-            gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))
-            ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare, unread here
+            kd, qd, akt, aq, gt, cu = self._run_prepare(q, k, g, beta, gate_args, cu, ws, buf, sizes, scale,
+                                                        sms)
             v2, o2 = v.view(total, hv, vdim), o.view(total, hv, vdim)
-            # The offsets clamped into [0, T] (the setup kernel's job on the other path): prepare and the
-            # segment map search them without clamps of their own.
-            cu = torch.clamp(cu, 0, total, out=_carve(buf, ws.cu, torch.int32, (nseq + 1,)))
-            prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
-            if gate_args:
-                gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
-            self._prepare(q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
-                          beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready, float(scale),
-                          prepare_ctas, 0)
             prescan, merge, segments = self._cp
             seg_len = sched.seg_len
             slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles

@@ -32,8 +32,9 @@ class FakeKernel:
         self.spec = spec
 
     def __call__(self, q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, initial_state=None,
-                 output_final_state=False, cu_seqlens=None, policy=None, **pool):
+                 output_final_state=False, cu_seqlens=None, policy=None, recompute=True, **pool):
         s = self.spec
+        self.recompute = recompute  # what kdagen.fla passed
         if pool:  # the forward on a state pool: what kdagen.fla passed
             self.prefilled = pool
             return (torch.zeros_like(v) if pool.get("out") is None else pool["out"]), None
@@ -160,7 +161,7 @@ ERRORS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
      r"lower_bound: .*needs a bound < 0"),
     ("precomputed-safe-bad-bound", {}, dict(safe_gate=True, lower_bound=-9.0),
      r"lower_bound: safe_gate=True"),
-    ("recompute", {}, dict(disable_recompute=True), r"disable_recompute: .*forward-only"),
+    ("recompute-not-bool", {}, dict(disable_recompute=1), r"disable_recompute: expected True or False"),
     ("intermediate", {}, dict(return_intermediate_states=True), r"return_intermediate_states: True"),
     ("cp", {}, dict(cp_context=object()), r"cp_context: .*context parallelism"),
     ("unknown-keyword", {}, dict(foo=1), r"foo: unknown keyword"),
@@ -184,11 +185,19 @@ def test_unsupported_is_refused(on_h100: list, opts: dict[str, Any], kwargs: dic
     assert on_h100 == []  # refused before any kernel is asked for
 
 
-def test_requires_grad_is_refused(on_h100: list) -> None:
-    t = _tensors()
-    t["q"].requires_grad_()
-    with pytest.raises(kdagen.InputError, match="q: requires grad, but the kernel is forward-only"):
-        fla.chunk_kda(**t)
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_disable_recompute_keeps_the_states(monkeypatch: pytest.MonkeyPatch, disable_recompute: bool) -> None:
+    # FLA's disable_recompute keeps the forward's intermediates for the backward: recompute=False.
+    kernels: list[FakeKernel] = []
+
+    def fake_get_kernel(spec: Any, policy: Any = None, force: bool = False) -> FakeKernel:
+        kernels.append(FakeKernel(spec))
+        return kernels[-1]
+
+    monkeypatch.setattr(fla, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(kdagen, "get_kernel", fake_get_kernel)
+    fla.chunk_kda(**_tensors(), disable_recompute=disable_recompute)
+    assert kernels[-1].recompute is (not disable_recompute)
 
 
 # ---- the call path --------------------------------------------------------------------------------------

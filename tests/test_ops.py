@@ -238,17 +238,21 @@ def test_compile_fullgraph(kernels: dict[str, FakeKernel], form: str) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-# ---- no backward ------------------------------------------------------------------------------------------
+# ---- autograd ---------------------------------------------------------------------------------------------
 
 
-def test_requires_grad_gives_the_runtime_error(kernels: dict[str, FakeKernel]) -> None:
+def test_requires_grad_records_the_autograd_node(kernels: dict[str, FakeKernel]) -> None:
+    # (tests/test_backward_cpu.py runs the backward itself on an emulated kernel.)
     inp = _inputs(PRE)
     inp["v"] = inp["v"].clone().requires_grad_()
-    with pytest.raises(kdagen.InputError, match="v: requires grad, but the kernel is forward-only"):
-        ops.kda_forward(PRE, **inp)
-    # The op called directly refuses it too (its autograd registration), with the same error.
-    with pytest.raises(kdagen.InputError, match="v: requires grad, but the kernel is forward-only"):
-        torch.ops.kdagen.forward(*_op_args(PRE, inp))
+    o, _ = ops.kda_forward(PRE, **inp)
+    assert o.requires_grad and "forward_train" in type(o.grad_fn).__name__.lower() + str(o.grad_fn)
+    o2, _ = torch.ops.kdagen.forward(*_op_args(PRE, inp))  # the op called directly records it too
+    assert o2.requires_grad
+    # The pool form has no backward: refused with the runtime's error before any kernel runs.
+    pool = torch.zeros(2, 4, 64, 64)
+    with pytest.raises(kdagen.InputError, match="^v: requires grad, but this call has no backward"):
+        ops.kda_forward(PRE, **inp, state_pool=pool, state_indices=torch.zeros(1, dtype=torch.int32))
     with torch.no_grad():
         o, _ = ops.kda_forward(PRE, **inp)
     assert not o.requires_grad
@@ -433,7 +437,7 @@ def test_decode_requires_grad_gives_the_runtime_error(kernels: dict[str, FakeKer
     spec, inp, kw = _decode_case("plain")
     before = kw["state_pool"].clone()
     inp["q"] = inp["q"].clone().requires_grad_()
-    with pytest.raises(kdagen.InputError, match="q: requires grad, but the kernel is forward-only"):
+    with pytest.raises(kdagen.InputError, match="q: requires grad, but this call has no backward"):
         ops.kda_decode(spec, **inp, **kw)
     assert torch.equal(kw["state_pool"], before)
     # The op called directly runs (a mutating op takes no autograd formula); a backward through o is torch's

@@ -121,7 +121,7 @@ _FLAGS = r"^has_initial_state: expected a bool tensor \[N\] = \[3\], got "
         ({"state_pool": None, "state_indices": None, "has_initial_state": torch.ones(3, dtype=torch.bool)},
          "^has_initial_state: given without state_pool;"),
         ({"state_pool": _POOL.clone().requires_grad_()},
-         "^state_pool: requires grad, but the kernel is forward-only"),
+         "^state_pool: requires grad, but this call has no backward"),
     ],
 )
 def test_bad_pool_arguments_are_named(kw: dict[str, Any], message: str) -> None:

@@ -98,12 +98,13 @@ def test_call_checks_scale_before_allocating(monkeypatch: pytest.MonkeyPatch):
             kernel(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=bad)
 
 
-def test_inputs_that_require_grad_are_refused():
+def test_inputs_that_require_grad_are_refused_where_there_is_no_backward():
+    # validate_inputs is what decode and the pool forward run; the compact forward routes grad first.
     x = _inputs()
     x["q"].requires_grad_(True)
     x["g"].requires_grad_(True)
     msg = _error(**x)
-    assert msg.startswith("q, g: requires grad, but the kernel is forward-only (the backward is not")
+    assert msg.startswith("q, g: requires grad, but this call has no backward (decode, the forward on a")
     dt_bias = torch.zeros(256, requires_grad=True)
     assert _error(**_inputs(), dt_bias=dt_bias).startswith("dt_bias: requires grad")
     with torch.no_grad():

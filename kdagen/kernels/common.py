@@ -32,6 +32,8 @@ __all__ = [
     "find_run",
     "seq_of_slice",
     "fused_mode",
+    "mma_input",
+    "load_step",
 ]
 
 
@@ -318,3 +320,41 @@ def fused_mode(mOrder: cute.Tensor, num_seqs: cutlass.Int32) -> cutlass.Int32:
     # recurrence), in the word after the ranking, order[N]. Setup ran before every reader; gpu-scoped, as
     # `seq_of_slice`'s loads.
     return cute.arch.load(mOrder.iterator + num_seqs, cutlass.Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
+def mma_input(acc: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
+    # An fp32 m16n8k16 C fragment rounded to `dtype` and re-viewed as an A fragment (`a_view`): how the
+    # mma_sync recurrences feed a state or a step's residual back into the next product.
+    r = cute.make_rmem_tensor_like(acc, dtype)
+    r.store(acc.load().to(dtype))
+    return a_view(r)
+
+
+@cute.jit
+def load_step(step, stage, rows, v_rows, tidx, gt_threads: cutlass.Constexpr, copy_k, copy_v, copy_aq,
+              copy_gt, tKg, tKs, tKc, tVg, tVs, tVc, tAg, tAs, tAc, tGg, tGs):
+    # One 16-token step's operands of the mma_sync recurrences into ring stage `stage` by cp.async: the three
+    # K-wide tiles (tKg -> tKs) and aq (first warp) for their first `rows` rows, the value-side tile for its
+    # first `v_rows`, gt (first `gt_threads` threads). Rows past a sequence's end are zero-filled: they then
+    # add nothing to the step's products.
+    for m in cutlass.range_constexpr(cute.size(tKc.shape[1])):
+        if cute.elem_less(tKc[0, m, 0][0], rows):
+            for j in cutlass.range_constexpr(3):
+                cute.copy(copy_k, tKg[j][None, m, None, step], tKs[j][None, m, None, stage])
+        else:
+            for j in cutlass.range_constexpr(3):
+                tKs[j][None, m, None, stage].fill(0)
+    for m in cutlass.range_constexpr(cute.size(tVc.shape[1])):
+        if cute.elem_less(tVc[0, m, 0][0], v_rows):
+            cute.copy(copy_v, tVg[None, m, None, step], tVs[None, m, None, stage])
+        else:
+            tVs[None, m, None, stage].fill(0)
+    if tidx < 32:
+        for m in cutlass.range_constexpr(cute.size(tAc.shape[1])):
+            if cute.elem_less(tAc[0, m, 0][0], rows):
+                cute.copy(copy_aq, tAg[None, m, None, step], tAs[None, m, None, stage])
+            else:
+                tAs[None, m, None, stage].fill(0)
+    if tidx < gt_threads:
+        cute.copy(copy_gt, tGg[None, None, None, step], tGs[None, None, None, stage])

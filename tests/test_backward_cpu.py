@@ -1,0 +1,206 @@
+"""The backward's plumbing on the CPU (`kdagen.backward`, the ``kdagen::forward_train`` and
+``kdagen::backward`` ops and their autograd registration), on a kernel whose device parts are emulated in
+fp64: its forward (the pool form with a checkpoint every tile, as `tile_states` calls it) is the reference's,
+and its reverse scan (`bwd_scan`) is the chunked backward's state gradient, a chunk at a time. Everything
+else runs as on the GPU: the tile map, the states' and dS's layouts, the chunk-local backward, the gate's,
+l2norm's and beta's backward and the GVA sums, both recompute modes. The gradients must equal those of the
+fp64 autograd oracle (`kda_reference_autograd`) over gate modes, GVA, varlen with partial tiles, both state
+layouts and beta modes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+import kdagen
+from kdagen import ops
+from kdagen.chunk_math import chunk_stage_backward
+from kdagen.reference import (
+    _prepare,
+    _seq_bounds,
+    kda_beta,
+    kda_pool_prefill_reference,
+    kda_recurrent_reference,
+    kda_reference_autograd,
+    make_inputs,
+    rel_rmse,
+)
+from kdagen.runtime import check_scale
+from kdagen.spec import KernelSpec
+
+GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+class EmuKernel:
+    """`KDAKernel`'s surface that `kdagen.backward` uses, the device parts in fp64 torch."""
+
+    def __init__(self, spec: KernelSpec) -> None:
+        self.spec = spec
+        self.last: dict[str, Any] = {}
+        self.scans = 0
+
+    def _opts(self) -> dict[str, Any]:
+        s = self.spec
+        return {"gate": s.gate, "lower_bound": s.lower_bound, "l2norm_qk": s.l2norm_qk,
+                "state_layout": s.state_layout}
+
+    def __call__(self, q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, initial_state=None,
+                 output_final_state=False, cu_seqlens=None, policy=None, state_pool=None, state_indices=None,
+                 has_initial_state=None, checkpoint_interval=None, start_positions=None,
+                 checkpoint_indices=None, out=None, recompute=True):
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (
+                q, k, v, g, beta, A_log, dt_bias, initial_state)):
+            return ops.kda_forward(self.spec, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                   initial_state=initial_state, output_final_state=output_final_state,
+                                   cu_seqlens=cu_seqlens, policy=policy, recompute=recompute)
+        scale = check_scale(scale, self.spec.head_dim_k)
+        self.last = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "A_log": A_log,
+                     "dt_bias": dt_bias, "cu_seqlens": cu_seqlens}
+        if state_pool is not None:
+            # (The pool reference takes beta as used: the spec's beta mode applied here.)
+            o = kda_pool_prefill_reference(
+                q, k, v, g, kda_beta(beta.double(), self.spec.beta), state_pool=state_pool,
+                state_indices=state_indices, cu_seqlens=cu_seqlens,
+                has_initial_state=has_initial_state, checkpoint_interval=checkpoint_interval,
+                start_positions=start_positions, checkpoint_indices=checkpoint_indices, scale=scale,
+                A_log=A_log, dt_bias=dt_bias, **self._opts())
+            return o.to(q.dtype), None
+        o, ht = kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                        A_log=A_log, dt_bias=dt_bias, beta_mode=self.spec.beta,
+                                        **self._opts())
+        return o.to(q.dtype), (None if ht is None else ht.float())
+
+    def _gate_args(self, A_log, dt_bias, hv, device):
+        return ()
+
+    def _sm_count(self, device):
+        return 1
+
+    def _stream_scope(self, device):
+        return contextlib.nullcontext()
+
+    def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms):
+        return (None,) * 5 + (cu,)
+
+    def _bwd_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht):
+        """dS leaving every tile (at its tile id, [V, K]) and dh0 (the state layout), by the chunked
+        backward in fp64 from the inputs of the forward run last (the one `tile_states` ran)."""
+        self.scans += 1
+        x, s = self.last, self.spec
+        p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,
+                     cu_seqlens=x["cu_seqlens"], gate=s.gate, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                     lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout,
+                     dtype=torch.float64, beta_mode=s.beta)
+        hv, kdim, vdim = p.v.shape[2], p.k.shape[-1], p.v.shape[-1]
+        seqlen = p.v.shape[1]
+        dO = do.double().view(p.v.shape)
+        # The states entering the tiles are not needed for dS (the scan never reads them), so any S works:
+        # chunk_stage_backward's dS_in does not depend on S.
+        for i, (b, bos, eos) in enumerate(_seq_bounds(p.v.shape[0], seqlen, x["cu_seqlens"])):
+            start = b * seqlen + bos
+            dS = torch.zeros(hv, kdim, vdim, dtype=torch.float64)
+            if has_dht:
+                d = dht[i].double()
+                dS = d.transpose(-1, -2) if s.state_layout == "vk" else d
+            starts = list(range(bos, eos, 16))
+            for c0 in reversed(starts):
+                c1 = min(c0 + 16, eos)
+                tile = start // 16 + i + (c0 - bos) // 16  # the kernels' tile-id map
+                dh[tile] = dS.transpose(-1, -2).float()
+                sl = (b, slice(c0, c1))
+                S = torch.zeros(hv, kdim, vdim, dtype=torch.float64)
+                dS = chunk_stage_backward(*(t[sl].transpose(0, 1) for t in (p.q, p.k, p.v, p.g, p.beta)), S,
+                                          dO[sl].transpose(0, 1), dS)["dS"]
+            dh0[i] = (dS.transpose(-1, -2) if s.state_layout == "vk" else dS).float()
+
+
+@pytest.fixture
+def emu(monkeypatch: pytest.MonkeyPatch) -> dict[str, EmuKernel]:
+    made: dict[str, EmuKernel] = {}
+
+    def fake_get_kernel(spec: Any, policy: Any = None, force: bool = False) -> EmuKernel:
+        resolved = kdagen.resolve_spec(spec)[1]
+        return made.setdefault(resolved.canonical_json(), EmuKernel(resolved))
+
+    monkeypatch.setattr(kdagen, "get_kernel", fake_get_kernel)
+    return made
+
+
+CASES = [
+    # (id, spec fields, B, T, H, HV, cu_seqlens, initial state)
+    ("lb-fixed", dict(gate="lower_bound", lower_bound=-5.0, safe_gate=True, l2norm_qk=True), 2, 21, 2, 2,
+     None, True),
+    ("lb-varlen-gva", dict(gate="lower_bound", lower_bound=-5.0, safe_gate=True, l2norm_qk=True, gva_ratio=2),
+     1, 57, 1, 2, [0, 5, 16, 16, 49, 57], True),
+    ("softplus-vk-logit", dict(gate="softplus", lower_bound=None, safe_gate=False, l2norm_qk=True,
+                               state_layout="vk", beta="logit"), 1, 40, 2, 2, [0, 17, 40], False),
+    ("precomputed-no-l2", dict(gate="precomputed", lower_bound=None, safe_gate=False, l2norm_qk=False,
+                               beta="logit_x2"), 1, 33, 2, 2, None, True),
+]
+
+
+def _case(fields: dict, B: int, T: int, H: int, HV: int, cu: list[int] | None, init: bool):
+    spec = KernelSpec(arch="sm_90a", head_dim_k=64, head_dim_v=64, **fields)
+    s = spec
+    x = make_inputs(B, T, H, HV, 64, 64, dtype="bf16", beta_dtype="fp32", g_dtype="fp32", gate=s.gate,
+                    safe_gate=s.safe_gate, lower_bound=s.lower_bound, seed=3, device="cpu",
+                    l2norm_qk=s.l2norm_qk, cu_seqlens=cu, with_initial_state=init,
+                    state_layout=s.state_layout, beta_mode=s.beta)
+    return spec, x
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gradients_match_the_oracle(emu: dict, case: tuple, recompute: bool) -> None:
+    _, fields, B, T, H, HV, cu, init = case
+    spec, x = _case(fields, B, T, H, HV, cu, init)
+    names = [n for n in GRADS if x.get(n) is not None]
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(7)
+    nseq = B if cu is None else len(cu) - 1
+    kern = kdagen.get_kernel(spec)
+    o, ht = kern(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                 A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"),
+                 initial_state=leaves.get("initial_state"), output_final_state=True, cu_seqlens=cu_t,
+                 recompute=recompute)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen)
+    torch.autograd.backward((o, ht), (do, dht))
+    assert kern.scans == 1 and ht.shape[0] == nseq
+
+    ref = {n: x[n].double().clone().requires_grad_() for n in names}
+    o_r, ht_r = kda_reference_autograd(
+        ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], A_log=ref.get("A_log"),
+        dt_bias=ref.get("dt_bias"), initial_state=ref.get("initial_state"), output_final_state=True,
+        cu_seqlens=cu, gate=spec.gate, lower_bound=spec.lower_bound, l2norm_qk=spec.l2norm_qk,
+        state_layout=spec.state_layout, beta_mode=spec.beta)
+    torch.autograd.backward((o_r, ht_r), (do.double(), dht.double()))
+    for n in names:
+        got, want = leaves[n].grad, ref[n].grad
+        assert got is not None and got.shape == want.shape and got.dtype == x[n].dtype, n
+        # bf16 inputs and dv in their dtype; the rest of the path is fp32 or fp64.
+        assert rel_rmse(want, got.double()) < 5e-3, (n, rel_rmse(want, got.double()))
+
+
+def test_only_the_final_state_carries_a_gradient(emu: dict) -> None:
+    # o is unused: its gradient reaches the backward as None (zero dO); q gets exactly zero, k its share.
+    spec, x = _case(CASES[0][1], 1, 20, 2, 2, None, True)
+    q, k = x["q"].clone().requires_grad_(), x["k"].clone().requires_grad_()
+    kern = kdagen.get_kernel(spec)
+    _, ht = kern(q, k, x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                 initial_state=x["initial_state"], output_final_state=True)
+    ht.sum().backward()
+    ref_k = x["k"].double().clone().requires_grad_()
+    _, ht_r = kda_reference_autograd(x["q"].double(), ref_k, x["v"].double(), x["g"].double(),
+                                     x["beta"].double(), A_log=x["A_log"].double(),
+                                     dt_bias=x["dt_bias"].double(), initial_state=x["initial_state"].double(),
+                                     output_final_state=True, gate=spec.gate, lower_bound=spec.lower_bound,
+                                     l2norm_qk=True)
+    ht_r.sum().backward()
+    assert rel_rmse(ref_k.grad, k.grad.double()) < 5e-3
+    assert not q.grad.any()
