@@ -180,7 +180,8 @@ def run_backward(
     bp = kda_beta(beta.to(f32), spec.beta).reshape(total, hv)
     grads = chunk_local_backward(
         qp, kp, v.reshape(total, hv, vdim).to(f32), gp, bp, do.reshape(total, hv, vdim).to(f32),
-        _as_kv(states, spec.state_layout).to(f32), dh.transpose(-1, -2), tile_map(cu, total))
+        _as_kv(states, spec.state_layout).to(f32), dh.transpose(-1, -2), tile_map(cu, total),
+        anchored=spec.safe_gate)
     dq = _qk_backward(qf, grads["dq"].view(bsz, seqlen, nh, group, kdim).sum(3) * scale, spec.l2norm_qk)
     dk = _qk_backward(kf, grads["dk"].view(bsz, seqlen, nh, group, kdim).sum(3), spec.l2norm_qk)
     dg, d_alog, d_bias = _gate_backward(spec.gate, spec.lower_bound, g, grads["dg"].view(g.shape), A_log,

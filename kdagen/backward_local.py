@@ -27,7 +27,8 @@ from kdagen.arch import CHUNK
 from kdagen.chunk_math import chunk_stage_backward
 from kdagen.workspace import layout
 
-__all__ = ["DEFAULT_MAX_BATCH", "TileMap", "chunk_local_backward", "tile_map", "tile_slots"]
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BATCH_ANCHORED", "TileMap", "chunk_local_backward", "tile_map",
+           "tile_slots"]
 
 Tensor = torch.Tensor
 
@@ -38,6 +39,12 @@ Tensor = torch.Tensor
 # (twice that in fp64). Larger slabs gain nothing measurable: the work, not the launches, sets the time
 # (T = 8191, HV = 32 on an H100: 186 ms at 1024, 182 ms at 4096).
 DEFAULT_MAX_BATCH = 1024
+# The anchored form builds no [batch, 16, 16, K] tensor: its peak is set by the [batch, K, V] states and the
+# terms of the entering state's gradient, ~440 KiB per entry at K = V = 128 fp32 with the slab's tiles and
+# states (measured on the CPU as the growth of the peak resident memory from 512 to 2048 entries per slab:
+# 436 KiB per entry, against 937 KiB for the pairwise form by the same measurement), so 2048 entries keep the
+# pairwise slab's budget, ~0.85 GiB (twice that in fp64).
+DEFAULT_MAX_BATCH_ANCHORED = 2048
 
 _GRADS = ("dq", "dk", "dv", "dg", "dbeta")
 
@@ -89,7 +96,8 @@ def chunk_local_backward(
     dh: Tensor,
     tmap: TileMap,
     *,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    max_batch: int | None = None,
+    anchored: bool = False,
 ) -> dict[str, Tensor]:
     """The gradients of the prepared inputs of every token, each tile on its own.
 
@@ -101,8 +109,11 @@ def chunk_local_backward(
     so whatever ``h`` and ``dh`` hold there (NaN included) cannot reach a result.
 
     Computed in fp64 if ``q`` is fp64, else fp32, in slabs of ``max(1, max_batch // HV)`` tiles (each call
-    of ``chunk_stage_backward`` sees at most that many tiles times HV batch entries). Returns ``dq``, ``dk``,
-    ``dg`` [total, HV, K], ``dv`` [total, HV, V] and ``dbeta`` [total, HV] in the compute dtype.
+    of ``chunk_stage_backward`` sees at most that many tiles times HV batch entries; ``max_batch`` defaults to
+    :data:`DEFAULT_MAX_BATCH`, or :data:`DEFAULT_MAX_BATCH_ANCHORED` when ``anchored``). ``anchored`` runs
+    ``chunk_stage_backward``'s anchored form, without pairwise [.., 16, 16, K] tensors: only for g >= -5 (the
+    safe gate), since a hard reset overflows its factors. Returns ``dq``, ``dk``, ``dg`` [total, HV, K],
+    ``dv`` [total, HV, V] and ``dbeta`` [total, HV] in the compute dtype.
     """
     if q.dim() != 3:
         raise ValueError(f"q: expected [total, HV, K], got shape {tuple(q.shape)}")
@@ -116,6 +127,8 @@ def chunk_local_backward(
                           ("h", h, (slots, HV, K, V)), ("dh", dh, (slots, HV, K, V)),
                           ("tmap.tile", tmap.tile, (total,)), ("tmap.row", tmap.row, (total,))):
         _check_shape(name, x, want)
+    if max_batch is None:
+        max_batch = DEFAULT_MAX_BATCH_ANCHORED if anchored else DEFAULT_MAX_BATCH
     if max_batch < 1:
         raise ValueError(f"max_batch: expected >= 1, got {max_batch}")
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -139,7 +152,7 @@ def chunk_local_backward(
         qs, ks, vs, gs, bs, dos = (_slab_tiles(x, take, real, nt, dt) for x in (q, k, v, g, beta, do))
         S = h[t0:t1].to(dt).reshape(n, K, V)
         dS = dh[t0:t1].to(dt).reshape(n, K, V)
-        grads = chunk_stage_backward(qs, ks, vs, gs, bs, S, dos, dS)
+        grads = chunk_stage_backward(qs, ks, vs, gs, bs, S, dos, dS, anchored=anchored)
         for name, out in outs.items():
             x = grads[name]  # [nt * HV, 16, *]
             rows = x.view(nt, HV, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])

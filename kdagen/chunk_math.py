@@ -15,23 +15,51 @@ __all__ = ["chunk_parts", "chunk_stage_backward", "chunk_step"]
 Tensor = torch.Tensor
 
 
-def chunk_parts(qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor) -> dict[str, Tensor]:
+def chunk_parts(
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor, *, anchored: bool = False
+) -> dict[str, Tensor]:
     """The intermediates of one chunk of n <= C tokens, all value heads (inputs [HV,n,*], the state S [HV,K,V]
-    entering it): what the forward computes and the backward recomputes (stage 1 of kda-math §8)."""
+    entering it): what the forward computes and the backward recomputes (stage 1 of kda-math §8).
+
+    The pairwise form (the default) builds the decays exp(G_r - G_s) as [HV,n,n,K] tensors (``E``, ``Ek``)
+    and holds for any g <= 0, hard resets included. The ``anchored`` form splits each decay at the middle row
+    a = n // 2, exp(G_r - G_s) = exp(G_r - G_a) exp(G_a - G_s), so Aqk and Akk are [n,K] x [K,n] matmuls and
+    no [n,n,K] tensor exists; it returns ``eR`` = exp(G - G_a), ``eC`` = exp(G_a - G), ``Lr`` = [Q; K] * eR
+    ([HV,2n,K], the row sides of Aqk and Akk) and ``Kc`` = K * eC (their column side) instead. Its factors
+    stay finite only while every |G_r - G_a| is well inside the dtype's range: with the safe gate (g >= -5)
+    and n <= 16 they are at most 5 * 8 = 40 nats (e^40 ~ 2.4e17, fp32 reaches 3.4e38), whereas a hard reset
+    (g = -1000) overflows them."""
     n = qc.shape[1]
     dev, dt = qc.device, qc.dtype
+    zero = torch.zeros((), dtype=dt, device=dev)
     G = gc.cumsum(dim=1)  # chunk-local inclusive cumsum (natural log), [HV,n,K]
     rows = torch.arange(n, device=dev)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
-    # Pairwise decays exp(G_r - G_s) for r >= s only: each factor is <= 1 for g <= 0, so a hard reset
-    # (g = -1000) underflows to 0 instead of overflowing, which prefix-product division (K / Gamma) would do.
-    diff = G[:, :, None, :] - G[:, None, :, :]  # [HV,n(r),n(s),K]
-    E = torch.where(incl[None, :, :, None], diff, torch.full((), float("-inf"), dtype=dt, device=dev)).exp()
-    Ek = E * kc[:, None, :, :]  # k_s exp(G_r - G_s), [HV,n,n,K]
-    Aqk = torch.einsum("hrd,hrsd->hrs", qc, Ek)  # includes diagonal and (pre-applied) scale
-    Akk = torch.einsum("hrd,hrsd->hrs", kc, Ek)
-    L = torch.where(strict, bc[:, :, None] * Akk, torch.zeros((), dtype=dt, device=dev))  # beta on the row
+    parts: dict[str, Tensor] = {"incl": incl, "strict": strict}
+    if anchored:
+        Ga = G[:, n // 2:n // 2 + 1, :]
+        eR = (G - Ga).exp()
+        eC = (Ga - G).exp()
+        Lr = torch.cat((qc * eR, kc * eR), dim=1)  # [HV,2n,K]
+        Kc = kc * eC
+        # Above the diagonal the products carry exp(G_r - G_s) >= 1 (e^80 at most under the safe gate): a
+        # select, not a multiplied mask, drops them, so not even an inf there could reach a result.
+        AqkAkk = torch.where(incl, (Lr @ Kc.transpose(1, 2)).view(qc.shape[0], 2, n, n), zero)
+        Aqk, Akk = AqkAkk.unbind(1)
+        parts.update(eR=eR, eC=eC, Lr=Lr, Kc=Kc)
+    else:
+        # Pairwise decays exp(G_r - G_s) for r >= s only: each factor is <= 1 for g <= 0, so a hard
+        # reset (g = -1000) underflows to 0 instead of overflowing, which prefix-product division
+        # (K / Gamma) would do.
+        diff = G[:, :, None, :] - G[:, None, :, :]  # [HV,n(r),n(s),K]
+        ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
+        E = torch.where(incl[None, :, :, None], diff, ninf).exp()
+        Ek = E * kc[:, None, :, :]  # k_s exp(G_r - G_s), [HV,n,n,K]
+        Aqk = torch.einsum("hrd,hrsd->hrs", qc, Ek)  # includes diagonal and (pre-applied) scale
+        Akk = torch.einsum("hrd,hrsd->hrs", kc, Ek)
+        parts.update(E=E, Ek=Ek)
+    L = torch.where(strict, bc[:, :, None] * Akk, zero)  # beta on the row
     eye = torch.eye(n, dtype=dt, device=dev).expand(qc.shape[0], n, n)
     Tinv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
     A = Tinv * bc[:, None, :]  # Tinv diag(beta)
@@ -42,8 +70,9 @@ def chunk_parts(qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: T
     v_new = U - W @ S
     g_last = G[:, -1:, :]  # cumsum at the last valid token of this (possibly partial) chunk
     eL = (g_last - G).exp()  # <= 1
-    return {"incl": incl, "strict": strict, "E": E, "Ek": Ek, "Aqk": Aqk, "Akk": Akk, "Tinv": Tinv, "A": A,
-            "eG": eG, "KE": KE, "W": W, "v_new": v_new, "g_last": g_last, "eL": eL, "kg": kc * eL}
+    parts.update(Aqk=Aqk, Akk=Akk, Tinv=Tinv, A=A, eG=eG, KE=KE, W=W, v_new=v_new, g_last=g_last, eL=eL,
+                 kg=kc * eL)
+    return parts
 
 
 def chunk_step(
@@ -57,7 +86,8 @@ def chunk_step(
 
 
 def chunk_stage_backward(
-    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor, doc: Tensor, dS: Tensor
+    qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, S: Tensor, doc: Tensor, dS: Tensor, *,
+    anchored: bool = False,
 ) -> dict[str, Tensor]:
     """The backward of `chunk_step` by FLA's stage formulas (kda-math §8), for one chunk (inputs [HV,n,*],
     S the state entering it, dS the gradient of the state leaving it). Stage 1 recomputes the forward;
@@ -67,9 +97,12 @@ def chunk_stage_backward(
     dL = -Tinv^T (dA diag(beta)) Tinv^T on the strict lower triangle, dbeta from A's columns and L's rows;
     stage 6 (intra-chunk): dAqk and dAkk = beta_r dL back to q, k and the pairwise decays; stage 8: dg is the
     reverse cumsum of the gradient of the chunk-local cumsum G. Returns dq, dk, dv, dg, dbeta (of the chunk's
-    inputs), dS (entering the chunk) and dAqk."""
-    c = chunk_parts(qc, kc, vc, gc, bc, S)
-    incl, strict, E, Aqk, Akk, Tinv, A = (c[x] for x in ("incl", "strict", "E", "Aqk", "Akk", "Tinv", "A"))
+    inputs), dS (entering the chunk) and dAqk.
+
+    ``anchored`` computes stages 1 and 6 in `chunk_parts`'s anchored form: batched [n,n] x [n,K] matmuls, no
+    [HV,n,n,K] tensor, for inputs with g >= -5 and n <= 16 only (the safe gate; not hard resets)."""
+    c = chunk_parts(qc, kc, vc, gc, bc, S, anchored=anchored)
+    incl, strict, Aqk, Akk, Tinv, A = (c[x] for x in ("incl", "strict", "Aqk", "Akk", "Tinv", "A"))
     eG, KE, W, v_new, g_last, eL, kg = (c[x] for x in ("eG", "KE", "W", "v_new", "g_last", "eL", "kg"))
     zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
     # stages 2 and 4
@@ -87,11 +120,26 @@ def chunk_stage_backward(
     dAkk = dL * bc[:, :, None]
     # stage 6: the pairwise products back to q, k and the decays exp(G_r - G_s)
     dQg = doc @ S.transpose(1, 2)  # of Q * exp(G), the inter-chunk term of o
-    dq = dQg * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
-    dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
-          + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dKE * eG)
-    dE = (dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]) * kc[:, None, :, :] * E
-    dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + dQg * qc * eG
+    if anchored:
+        # With E_rs = eR_r eC_s: the row sides sum over s, dq_r = eR_r sum_s dAqk_rs (K eC)_s and the k-row
+        # term of Akk likewise; the column side sums over r, eC_s sum_r (dAqk_rs (Q eR)_r + dAkk_rs (K eR)_r).
+        # The decays' gradient dE.sum(s) - dE.sum(r) of the pairwise form is then q dq_row + k dk_row on the
+        # rows minus k dk_col on the columns.
+        n, K = qc.shape[1], qc.shape[2]
+        dA2 = torch.cat((dAqk, dAkk), dim=1)  # [HV,2n,n]
+        dq_row, dk_row = ((dA2 @ c["Kc"]).view(qc.shape[0], 2, n, K) * c["eR"][:, None]).unbind(1)
+        dk_col = (dA2.transpose(1, 2) @ c["Lr"]) * c["eC"]
+        dq = dQg * eG + dq_row
+        dk = dk_row + dk_col + dKE * eG
+        dG = qc * dq_row + kc * (dk_row - dk_col) + dKE * KE + dQg * qc * eG
+    else:
+        E = c["E"]
+        dq = dQg * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
+        dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
+              + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dKE * eG)
+        dE = dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]
+        dE = dE * kc[:, None, :, :] * E
+        dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + dQg * qc * eG
     # the inter-chunk decays: kg = K * exp(G_last - G) and exp(G_last) on the state
     dkg = v_new @ dS.transpose(1, 2)
     dk = dk + dkg * eL

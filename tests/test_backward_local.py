@@ -2,7 +2,8 @@
 (`kda_chunked_backward_stages`, chunk size 16): given each tile's entering state and the gradient of its
 leaving state, the batched tiles give the oracle's dq, dk, dv, dg and dbeta of the prepared inputs, over
 fixed-length and varlen batches (an empty sequence, partial tiles), GVA, hard resets, gate and beta forms,
-initial and final states, strided states and any slab size."""
+initial and final states, strided states and any slab size. The anchored form (no pairwise [.., 16, 16, K]
+tensors) equals the pairwise one under the safe gate (g >= -5), tiles at g = -5 throughout included."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ from typing import Any
 import pytest
 import torch
 
+import kdagen.backward_local as bl
 from kdagen.arch import CHUNK
-from kdagen.backward_local import DEFAULT_MAX_BATCH, TileMap, chunk_local_backward, tile_map, tile_slots
-from kdagen.chunk_math import chunk_stage_backward, chunk_step
+from kdagen.backward_local import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BATCH_ANCHORED,
+    TileMap,
+    chunk_local_backward,
+    tile_map,
+    tile_slots,
+)
+from kdagen.chunk_math import chunk_parts, chunk_stage_backward, chunk_step
 from kdagen.reference import HARD_RESET_G, _prepare, kda_chunked_backward_stages, make_inputs, rel_rmse
 from kdagen.workspace import layout
 
@@ -38,19 +47,29 @@ def _cu(B: int, lengths: list[int] | None, T: int) -> list[int]:
     return cu
 
 
-def _case(name: str, seed: int = 3) -> dict[str, Any]:
+def _case(name: str, seed: int = 3, safe: bool = False) -> dict[str, Any]:
     """The prepared inputs of a case (fp64, token-major [total, HV, *]), a random dO and final-state gradient,
-    and the oracle's gradients."""
+    and the oracle's gradients. With ``safe`` the gate keeps the safe gate's promise g >= -5 instead of the
+    hard resets: g = -5 rand (precomputed) or the lower-bound gate, a tenth of it masked to no decay, and
+    every even tile id at g = -5 exactly for every step (the 40-nat span from a tile's middle row)."""
     B, lengths, T, H, HV, K, V, gate, beta_mode, resets, state_layout = CASES[name]
     cu = _cu(B, lengths, T)
     lb = -5.0 if gate == "lower_bound" else None
     inp = make_inputs(B, T, H, HV, K, V, dtype=F64, beta_dtype=F64, g_dtype=F64, gate=gate,
                       beta_mode=beta_mode, safe_gate=False, lower_bound=lb, seed=seed, device="cpu",
-                      mask_p=0.1, hard_reset=True, cu_seqlens=cu if lengths is not None else None,
+                      mask_p=0.1, hard_reset=not safe, cu_seqlens=cu if lengths is not None else None,
                       with_initial_state=True, state_layout=state_layout)
     g = inp["g"].reshape(B * T, HV, K).clone()
-    for t in resets:  # a hard reset of every channel of the token
-        g[t] = HARD_RESET_G
+    if safe:
+        if gate == "precomputed":
+            u = torch.rand(g.shape, generator=torch.Generator().manual_seed(seed + 11), dtype=F64)
+            g = torch.where(g == 0, 0.0, -5.0 * u)
+        at_min = tile_map(torch.tensor(cu), B * T).tile % 2 == 0
+        # The lower-bound gate is -5 * sigmoid(exp(A_log) (g + dt_bias)): -5 exactly at a raw +1000.
+        g[at_min] = -5.0 if gate == "precomputed" else 1000.0
+    else:
+        for t in resets:  # a hard reset of every channel of the token
+            g[t] = HARD_RESET_G
     inp["g"] = g.reshape(B, T, HV, K)
     kw = {"scale": 0.4, "cu_seqlens": inp["cu_seqlens"], "gate": gate, "A_log": inp["A_log"],
           "dt_bias": inp["dt_bias"], "lower_bound": lb, "l2norm_qk": True, "state_layout": state_layout,
@@ -197,3 +216,137 @@ def test_empty_call() -> None:
     out = chunk_local_backward(z, z, z, z, torch.zeros(0, 2, dtype=F64), z, states, states, tmap)
     assert {name: tuple(x.shape) for name, x in out.items()} == {
         "dq": (0, 2, 16), "dk": (0, 2, 16), "dv": (0, 2, 16), "dg": (0, 2, 16), "dbeta": (0, 2)}
+
+
+# ---- the anchored form (safe gate) ----
+
+STAGE_OUTS = ("dq", "dk", "dv", "dg", "dbeta", "dS", "dAqk")
+
+
+def _stage_inputs(n: int, fill: str, tiles: int = 6, H: int = 2, HV: int = 4, K: int = 32, V: int = 16,
+                  seed: int = 5) -> list[Tensor]:
+    """fp64 inputs of `chunk_stage_backward` for ``tiles`` GVA-shaped tiles of n rows, batch [tiles * HV]
+    (q and k shared by each group of HV // H value heads, as the backward expands them; v, g, beta per value
+    head): g = -5 rand with a tenth of it 0 (no decay); ``fill`` "min" sets every g to -5, "mixed" every
+    other entry, so G spans 5 * 8 = 40 nats from the middle row either way."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    group = HV // H
+    q = torch.nn.functional.normalize(rnd(tiles, H, n, K), dim=-1) * K ** -0.5
+    k = torch.nn.functional.normalize(rnd(tiles, H, n, K), dim=-1)
+    q, k = (x.repeat_interleave(group, dim=1).reshape(tiles * HV, n, K) for x in (q, k))
+    g = -5.0 * torch.rand(tiles * HV, n, K, generator=gen, dtype=F64)
+    g = torch.where(torch.rand(g.shape, generator=gen, dtype=F64) < 0.1, 0.0, g)
+    if fill == "min":
+        g[:] = -5.0
+    elif fill == "mixed":
+        g[::2] = -5.0
+    beta = torch.rand(tiles * HV, n, generator=gen, dtype=F64)
+    return [q, k, rnd(tiles * HV, n, V), g, beta, rnd(tiles * HV, K, V), rnd(tiles * HV, n, V),
+            rnd(tiles * HV, K, V)]
+
+
+@pytest.mark.parametrize("fill", ["rand", "mixed", "min"])
+@pytest.mark.parametrize("n", [16, 11, 2, 1])
+def test_anchored_stage_equals_pairwise_fp64(n: int, fill: str) -> None:
+    """Full and partial tiles: every output of the anchored form, the decays' gradient dg included, is the
+    pairwise form's to rounding."""
+    x = _stage_inputs(n, fill)
+    pair = chunk_stage_backward(*x)
+    anch = chunk_stage_backward(*x, anchored=True)
+    for name in STAGE_OUTS:
+        assert anch[name].dtype == F64 and anch[name].shape == pair[name].shape, name
+        err = (anch[name] - pair[name]).abs().max().item()
+        scale = pair[name].abs().max().item()
+        assert err <= 1e-10 * scale, f"{name}: max abs err {err:.3e} (max |ref| {scale:.3e})"
+
+
+@pytest.mark.parametrize("fill", ["rand", "mixed", "min"])
+@pytest.mark.parametrize("n", [16, 9])
+def test_anchored_stage_fp32(n: int, fill: str) -> None:
+    """In fp32 the anchored form is as close to the fp64 pairwise form as the fp32 pairwise form is: within
+    1e-5 rel RMSE, or half again the pairwise form's own fp32 error where that is larger (dg of a batch of
+    tiles all at g = -5, ~2e-5 in both forms: its reverse cumsum cancels the state's boundary terms)."""
+    x = _stage_inputs(n, fill)
+    ref = chunk_stage_backward(*x)
+    x32 = [t.float() for t in x]
+    pair = chunk_stage_backward(*x32)
+    anch = chunk_stage_backward(*x32, anchored=True)
+    for name in STAGE_OUTS:
+        assert anch[name].dtype == torch.float32, name
+        err, own = rel_rmse(ref[name], anch[name]), rel_rmse(ref[name], pair[name])
+        assert err <= max(1e-5, 1.5 * own), f"{name}: rel RMSE {err:.3e} (pairwise fp32 {own:.3e})"
+
+
+def test_anchored_builds_no_pairwise_tensor() -> None:
+    """No tensor of the anchored form has the pairwise shape [.., n, n, K] (the pairwise form builds them)."""
+    n, K = 16, 32
+    x = _stage_inputs(n, "rand", K=K)
+    shapes: list[tuple[int, ...]] = []
+
+    class Shapes(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, Tensor):
+                    shapes.append(tuple(t.shape))
+            return out
+
+    def pairwise(shape: tuple[int, ...]) -> bool:
+        return len(shape) >= 4 and shape[-3:] == (n, n, K)
+
+    with Shapes():
+        chunk_stage_backward(*x)
+    assert any(pairwise(s) for s in shapes)  # the probe sees the pairwise form's tensors
+    shapes.clear()
+    with Shapes():
+        parts = chunk_parts(*x[:6], anchored=True)
+        chunk_stage_backward(*x, anchored=True)
+    assert shapes and not any(pairwise(s) for s in shapes), [s for s in shapes if pairwise(s)]
+    assert "E" not in parts and "Ek" not in parts
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunk_local_backward_anchored(name: str) -> None:
+    """Through the tile map (partial tiles, GVA, varlen, an empty sequence) under the safe gate: the anchored
+    slabs give the oracle's gradients in fp64 (1e-10) and fp32 (rel RMSE 1e-5), by default and in small
+    slabs."""
+    c = _case(name, safe=True)
+    g = c["x"]["g"]
+    assert g.min().item() >= -5.0 and (g == -5.0).sum().item() >= g.numel() // 4
+    h, dh, _ = _tile_states(c)
+    _assert_fp64_close(c["ref"], _run(c, h, dh, anchored=True))
+    _assert_fp64_close(c["ref"], _run(c, h, dh, anchored=True, max_batch=2 * c["HV"] + 1))
+    out = _run(c, h, dh, torch.float32, anchored=True)
+    for grad in GRADS:
+        assert out[grad].dtype == torch.float32, grad
+        err = rel_rmse(c["ref"][grad], out[grad])
+        assert err < 1e-5, f"{grad}: rel RMSE {err:.3e}"
+
+
+def test_anchored_default_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag reaches every slab, and the anchored form's default slab is the larger one (2048 entries,
+    about the pairwise 1024's memory)."""
+    calls: list[tuple[int, bool]] = []
+
+    def probe(*args: Tensor, anchored: bool = False) -> dict[str, Tensor]:
+        calls.append((args[0].shape[0], anchored))
+        return chunk_stage_backward(*args, anchored=anchored)
+
+    monkeypatch.setattr(bl, "chunk_stage_backward", probe)
+    HV, K, total = 2, 4, 16 * 1500
+    tmap = tile_map(torch.tensor([0, total]), total)
+    gen = torch.Generator().manual_seed(1)
+    x = [torch.rand(total, HV, K, generator=gen) for _ in range(5)]
+    states = torch.zeros(tmap.slots, HV, K, K)
+    for anchored, per in ((False, DEFAULT_MAX_BATCH), (True, DEFAULT_MAX_BATCH_ANCHORED)):
+        calls.clear()
+        out = chunk_local_backward(x[0], x[1], x[2], -x[3], x[4][..., 0], x[4], states, states, tmap,
+                                   anchored=anchored)
+        assert all(torch.isfinite(t).all() for t in out.values())
+        assert calls[0] == (per, anchored) and sum(b for b, _ in calls) == tmap.slots * HV
+        assert {a for _, a in calls} == {anchored}
+    assert DEFAULT_MAX_BATCH_ANCHORED == 2 * DEFAULT_MAX_BATCH
