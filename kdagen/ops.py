@@ -34,11 +34,20 @@ num_accepted_tokens, has_initial_state, update_state, cu_seqlens, out) -> o``
   ``require_cuda=False`` (the checks of shapes, dtypes, devices and strides; none of values or addresses),
   so a bad call fails while tracing with the runtime's `InputError`, and gives ``o`` as ``[B, T, HV, V]``
   in q's dtype.
-- The kernels are forward-only: there is no autograd formula. `kda_forward` and `kda_decode` refuse inputs
-  that require grad with the runtime's `InputError` before an op is reached. ``forward`` called directly
-  raises the same error from its autograd registration. ``decode`` mutates its arguments, and torch takes no
-  autograd formula for such an op: called directly it runs (torch runs it with grad mode off, so its checks
-  cannot tell), and a backward through its o raises torch's error for an op with no autograd formula.
+- Training: ``torch.ops.kdagen.forward_train(spec_json, q, k, v, g, beta, scale, A_log, dt_bias,
+  initial_state, output_final_state, cu_seqlens, policy_json, recompute) -> (o, final_state, states)`` is the
+  forward for autograd: with ``recompute`` False it also returns the state entering every 16-token tile
+  (`kdagen.backward.tile_states`), kept for the backward; with True, an empty tensor (the backward reruns
+  the forward for them). ``torch.ops.kdagen.backward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias,
+  initial_state, cu_seqlens, policy_json, states, do, dht) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias,
+  dh0)`` is `kdagen.backward.run_backward` (an absent gradient is an empty tensor). Both ``forward_train``
+  and ``forward`` carry `register_autograd` formulas that call ``backward``, so `torch.compile` traces a
+  training step with no graph break and the backward is one opaque node too. `kda_forward` routes a call
+  whose inputs require grad (grad mode on) to ``forward_train``; the pool form and ``out`` have no backward
+  and refuse such inputs with the runtime's `InputError`, as `kda_decode` does. ``decode`` mutates its
+  arguments, and torch takes no autograd formula for such an op: called directly it runs (torch runs it
+  with grad mode off, so its checks cannot tell), and a backward through its o raises torch's error for an
+  op with no autograd formula.
 
 `kda_forward(spec, q, k, v, g, beta, ...)` and `kda_decode(kernel, q, k, v, g, beta, *, state_pool,
 state_indices, ...)` are the Python entry points with the runtime's signatures. Importing this module
