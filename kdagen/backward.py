@@ -1,15 +1,18 @@
 """The KDA backward of a loaded kernel (kda-math.md §8), run on the current CUDA stream.
 
-Three parts, in order:
+Four parts, in order:
 1. The state entering every 16-token tile (`tile_states`): the kernel's own forward on a scratch state pool
    with a prefix-cache checkpoint every tile, so each tile's state lands in the slot of its tile id
    (`floor(bos / 16) + seq + step`, the map prepare and the recurrence share). Recomputed in the backward,
    or saved by the forward (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `prepare`): dS leaving every tile and
    the gradient of the initial states, from prepare's tiles and dO alone.
-3. Every tile's gradients given its two states (`kdagen.backward_local`, torch in fp32), of the prepared
-   inputs (`kdagen.reference`'s `kda_gate`, `l2norm`, `kda_beta` forms, in fp32), then the GVA group sums and
-   the l2norm's, gate's and beta's backward by their closed forms (the backward op runs below autograd).
+3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
+   gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
+4. The rest of every tile's gradients (`kdagen.tile_grads`, torch in fp32, no state-sized tensor): back
+   through P, Aqk and the decays to the prepared inputs (`kdagen.reference`'s `kda_gate`, `l2norm`,
+   `kda_beta` forms), then the GVA group sums and the l2norm's, gate's and beta's backward by their closed
+   forms (the backward op runs below autograd).
 
 Gradients come back in the inputs' dtypes: dq, dk, dv, dg (of the raw gate input for in-kernel gates), dbeta
 (of beta as given), dA_log, ddt_bias (the shape given), dh0 (fp32, the state layout).
@@ -23,9 +26,10 @@ import torch
 
 from kdagen import workspace
 from kdagen.arch import CHUNK
-from kdagen.backward_local import chunk_local_backward, tile_map
+from kdagen.backward_local import tile_map
 from kdagen.dtypes import DTYPES
 from kdagen.reference import kda_beta, kda_gate, l2norm
+from kdagen.tile_grads import tile_grads
 
 # `kdagen.reference.l2norm`'s eps and the softplus gate's threshold (kda-math §2.1, §2.2): the backward
 # differentiates the forms the kernels compute.
@@ -108,11 +112,6 @@ def tile_states(
     return o, final, states
 
 
-def _as_kv(states: torch.Tensor, state_layout: str) -> torch.Tensor:
-    # [slots, HV, K, V] view of states in the spec's layout.
-    return states if state_layout == "kv" else states.transpose(-1, -2)
-
-
 def run_backward(
     kernel: KDAKernel,
     q: torch.Tensor,
@@ -157,19 +156,25 @@ def run_backward(
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     sms = kernel._sm_count(device)
     dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
-    dh = torch.zeros((ws.tile_slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+    # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read.
+    dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=torch.float32, device=device)
     dh0 = torch.empty((nseq, hv, *dims), dtype=torch.float32, device=device)
     dht_arg = dht.to(torch.float32).contiguous() if dht is not None else torch.zeros(
         (1, hv, *dims), dtype=torch.float32, device=device)
     if do is None:  # only the final state's gradient reaches the call
         do = torch.zeros(v.shape[:3] + (vdim,), dtype=dt, device=device)
     do_arg = do.to(dt).contiguous().view(total, hv, vdim)
+    f32 = torch.float32
+    prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
+             for name, d in (("dv", vdim), ("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
+    dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
     with kernel._stream_scope(device):
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
         kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
+        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
+                         prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
 
     # ---- every tile's gradients (of the prepared inputs), then the input transforms' backward ----
-    f32 = torch.float32
     group = hv // nh
     qf, kf = q.to(f32), k.to(f32)
     qp, kp = (l2norm(qf), l2norm(kf)) if spec.l2norm_qk else (qf, kf)
@@ -178,16 +183,14 @@ def run_backward(
     gp = kda_gate(g.to(f32), gate=spec.gate, A_log=_a_log(spec.gate, A_log, hv, device), dt_bias=dt_bias,
                   lower_bound=spec.lower_bound).reshape(total, hv, kdim)
     bp = kda_beta(beta.to(f32), spec.beta).reshape(total, hv)
-    grads = chunk_local_backward(
-        qp, kp, v.reshape(total, hv, vdim).to(f32), gp, bp, do.reshape(total, hv, vdim).to(f32),
-        _as_kv(states, spec.state_layout).to(f32), dh.transpose(-1, -2), tile_map(cu, total),
-        anchored=spec.safe_gate)
+    grads = tile_grads(qp, kp, gp, bp, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt,
+                       tile_map(cu, total), anchored=spec.safe_gate)
     dq = _qk_backward(qf, grads["dq"].view(bsz, seqlen, nh, group, kdim).sum(3) * scale, spec.l2norm_qk)
     dk = _qk_backward(kf, grads["dk"].view(bsz, seqlen, nh, group, kdim).sum(3), spec.l2norm_qk)
     dg, d_alog, d_bias = _gate_backward(spec.gate, spec.lower_bound, g, grads["dg"].view(g.shape), A_log,
                                         dt_bias)
     dbeta = _beta_backward(spec.beta, beta, grads["dbeta"].view(beta.shape))
-    dv = grads["dv"].reshape(v.shape).to(v.dtype)
+    dv = prods["dv"].view(v.shape).to(v.dtype)
     return Grads(dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), d_alog, d_bias,
                  dh0)
 

@@ -433,5 +433,12 @@ def make_plan(spec: KernelSpec) -> Plan:
         "bwd_scan", f"{shared}/bwd_scan.py.j2", rec_params,
         note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
     )
-    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_scan)
+    # The backward's products with the states, one CTA a tile and head (templates/mma_sync/bwd_tile.py.j2).
+    bwd_tile = StagePlan(
+        "bwd_tile", f"{shared}/bwd_tile.py.j2",
+        {**common, "state_layout": spec.state_layout},
+        note="backward: a tile's products with the states entering and leaving it, one CTA a tile and head",
+    )
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_scan,
+              bwd_tile)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -576,6 +576,7 @@ class KDAKernel:
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
+        self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time
         params = {s.name: s.params for s in plan.stages}
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])

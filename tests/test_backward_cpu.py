@@ -17,7 +17,7 @@ import torch
 
 import kdagen
 from kdagen import ops
-from kdagen.chunk_math import chunk_stage_backward
+from kdagen.chunk_math import chunk_parts, chunk_stage_backward
 from kdagen.reference import (
     _prepare,
     _seq_bounds,
@@ -116,6 +116,41 @@ class EmuKernel:
                 dS = chunk_stage_backward(*(t[sl].transpose(0, 1) for t in (p.q, p.k, p.v, p.g, p.beta)), S,
                                           dO[sl].transpose(0, 1), dS)["dS"]
             dh0[i] = (dS.transpose(-1, -2) if s.state_layout == "vk" else dS).float()
+
+
+    def _bwd_tile(self, kd, akt, aq, v, do, cu, states, dh, dv, dqd, dkd, dakt, daq, dgt):
+        """`bwd_tile`'s products a tile at a time in fp64 (the folded step's formulas), from the inputs of the
+        forward run last and the states it is given."""
+        x, s = self.last, self.spec
+        p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,
+                     cu_seqlens=x["cu_seqlens"], gate=s.gate, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                     lower_bound=s.lower_bound, l2norm_qk=s.l2norm_qk, state_layout=s.state_layout,
+                     dtype=torch.float64, beta_mode=s.beta)
+        seqlen = p.v.shape[1]
+        dO = do.double().view(p.v.shape)
+        for i, (b, bos, eos) in enumerate(_seq_bounds(p.v.shape[0], seqlen, x["cu_seqlens"])):
+            start = b * seqlen + bos
+            for c0 in range(bos, eos, 16):
+                c1 = min(c0 + 16, eos)
+                tile = start // 16 + i + (c0 - bos) // 16
+                S = states[tile].double()
+                S = S.transpose(-1, -2) if s.state_layout == "vk" else S
+                dS = dh[tile].double().transpose(-1, -2)
+                sl = (b, slice(c0, c1))
+                qc, kc, vc, gc, bc = (t[sl].transpose(0, 1) for t in (p.q, p.k, p.v, p.g, p.beta))
+                c = chunk_parts(qc, kc, vc, gc, bc, S)
+                P = c["A"]
+                aq_, akt_ = c["Aqk"] @ P, P.transpose(1, 2) @ c["kg"]
+                R = vc - c["KE"] @ S
+                dR = aq_.transpose(1, 2) @ dO[sl].transpose(0, 1) + akt_ @ dS
+                rows = slice(b * seqlen + c0, b * seqlen + c1)
+                dv[rows] = dR.transpose(0, 1).float()
+                dqd[rows] = (dO[sl].transpose(0, 1) @ S.transpose(1, 2)).transpose(0, 1).float()
+                dkd[rows] = (-dR @ S.transpose(1, 2)).transpose(0, 1).float()
+                dakt[rows] = (R @ dS.transpose(1, 2)).transpose(0, 1).float()
+                daq[rows] = 0.0  # the kernel writes all 16 columns (zero past the tile's tokens)
+                daq[rows, :, : c1 - c0] = (dO[sl].transpose(0, 1) @ R.transpose(1, 2)).transpose(0, 1).float()
+                dgt[tile] = (S * dS).sum(dim=2).float()
 
 
 @pytest.fixture

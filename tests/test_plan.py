@@ -30,6 +30,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "cp_segments": "mma_sync/recurrence.py.j2",
         "decode": "common/decode.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
+        "bwd_tile": "mma_sync/bwd_tile.py.j2",
     }
 
 
@@ -66,7 +67,7 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
-                                "bwd_scan"]
+                                "bwd_scan", "bwd_tile"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,110 @@
+"""Every tile's gradients of the prepared inputs from the backward's products with the states.
+
+The `bwd_tile` stage gives, per 16-token tile, the gradients of the folded forward step's operands
+(R = V - Kd S, O = Qd S + Aq R, S' = diag(gt) S + Akt^T R, with Kd = K exp(G), Qd = Q exp(G),
+Akt = P^T Kg, Aq = Aqk P, gt = exp(G_last), P = (I + L)^-1 diag(beta)):
+``dqd`` = dO S^T, ``dkd`` = -dR S^T, ``dakt`` = R dS'^T, ``daq`` = dO R^T and ``dgt`` = the row sums of
+S * dS'. What is left is small per-tile algebra, here in torch: through Aq and Akt to P, Aqk and Kg
+(dP = Aqk^T dAq + Kg dAkt^T, dAqk = dAq P^T, dKg = P dAkt), then FLA's stage formulas from dP on (the
+inverse's dL, dbeta, the intra-tile products back to q, k and the decays, dg by the reverse cumsum:
+kda-math §8), exactly as `kdagen.chunk_math.chunk_stage_backward` continues from its dA = dV_new R^T. No
+tensor of a state's size (K x V) is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdagen.arch import CHUNK
+from kdagen.backward_local import TileMap, _slab_tiles
+from kdagen.chunk_math import chunk_parts
+
+__all__ = ["grads_from_products", "tile_grads", "DEFAULT_MAX_BATCH"]
+
+Tensor = torch.Tensor
+
+# Batch entries (tile x value head) a slab: the largest tensors are [batch, 16, K] (no pairwise [16, 16, K]
+# decays in the anchored form; with the pairwise form, four of those at 128 KiB an entry in fp32 at K = 128).
+DEFAULT_MAX_BATCH = 4096
+
+
+def grads_from_products(qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, dqd: Tensor, dkd: Tensor,
+                        dakt: Tensor, daq: Tensor, dgt: Tensor, *,
+                        anchored: bool = False) -> dict[str, Tensor]:
+    """One batch of tiles ([Bt, n, *], the prepared q, k, natural-log g and beta) from the products
+    ``dqd``, ``dkd``, ``dakt`` [Bt, n, K], ``daq`` [Bt, n, n] and ``dgt`` [Bt, K]: dq, dk, dg [Bt, n, K] and
+    dbeta [Bt, n]. ``anchored`` as in `chunk_parts` (only for g >= -5)."""
+    bt, n, K = qc.shape
+    dummy = qc.new_zeros((bt, n, 1))
+    c = chunk_parts(qc, kc, dummy, gc, bc, qc.new_zeros((bt, K, 1)), anchored=anchored)
+    incl, strict, Aqk, Akk, Tinv, P = (c[x] for x in ("incl", "strict", "Aqk", "Akk", "Tinv", "A"))
+    eG, KE, g_last, eL, kg = (c[x] for x in ("eG", "KE", "g_last", "eL", "kg"))
+    zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
+    # Aq = Aqk P and Akt = P^T Kg back to P, Aqk and Kg.
+    dP = Aqk.transpose(1, 2) @ daq + kg @ dakt.transpose(1, 2)
+    dAqk = torch.where(incl, daq @ P.transpose(1, 2), zero)
+    dkg = P @ dakt
+    # P = Tinv diag(beta), Tinv = (I + L)^-1, L = strict(beta_r Akk_rs)
+    dbeta = (dP * Tinv).sum(dim=1)  # P's column s carries beta_s
+    dL = torch.where(strict, -Tinv.transpose(1, 2) @ (dP * bc[:, None, :]) @ Tinv.transpose(1, 2), zero)
+    dbeta = dbeta + (dL * Akk).sum(dim=2)  # L's row r carries beta_r
+    dAkk = dL * bc[:, :, None]
+    # the intra-tile products back to q, k and the decays (chunk_stage_backward's stage 6), with
+    # dQd = dqd (of Q * exp(G)) and dKd = dkd (of K * exp(G))
+    if anchored:
+        dA2 = torch.cat((dAqk, dAkk), dim=1)  # [Bt,2n,n]
+        dq_row, dk_row = ((dA2 @ c["Kc"]).view(bt, 2, n, K) * c["eR"][:, None]).unbind(1)
+        dk_col = (dA2.transpose(1, 2) @ c["Lr"]) * c["eC"]
+        dq = dqd * eG + dq_row
+        dk = dk_row + dk_col + dkd * eG
+        dG = qc * dq_row + kc * (dk_row - dk_col) + dkd * KE + dqd * qc * eG
+    else:
+        E = c["E"]
+        dq = dqd * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
+        dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
+              + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dkd * eG)
+        dE = dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]
+        dE = dE * kc[:, None, :, :] * E
+        dG = dE.sum(dim=2) - dE.sum(dim=1) + dkd * KE + dqd * qc * eG
+    # the inter-tile decays: Kg = K * exp(G_last - G), and gt = exp(G_last) on the state
+    dk = dk + dkg * eL
+    dG = dG - dkg * kg
+    dG[:, -1, :] += (dkg * kg).sum(dim=1) + dgt * g_last[:, 0, :].exp()
+    dg = dG.flip(1).cumsum(dim=1).flip(1)  # G is the tile-local cumsum of g
+    return {"dq": dq, "dk": dk, "dg": dg, "dbeta": dbeta}
+
+
+def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: Tensor, dakt: Tensor,
+               daq: Tensor, dgt: Tensor, tmap: TileMap, *, anchored: bool = False,
+               max_batch: int | None = None) -> dict[str, Tensor]:
+    """`grads_from_products` over every tile of a call, token-major: q, k, g [total, HV, K] (prepared, g the
+    natural-log decay), beta [total, HV]; the products dqd, dkd, dakt [total, HV, K], daq [total, HV, 16] and
+    dgt [slots, HV, K] (at each tile's id). Returns dq, dk, dg [total, HV, K] and dbeta [total, HV] in fp32
+    (fp64 for fp64 inputs), in slabs of ``max_batch`` (default `DEFAULT_MAX_BATCH`) tiles x heads, without
+    host synchronisation."""
+    total, hv, kdim = q.shape
+    slots = tmap.slots
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    outs = {name: torch.empty((total + 1, *x.shape[1:]), dtype=dt, device=dev)
+            for name, x in (("dq", q), ("dk", k), ("dg", g), ("dbeta", beta))}
+    if total == 0:
+        return {name: x[:0] for name, x in outs.items()}
+    # The token at each (tile, row), `total` where none sits (rows past a sequence's end, unused tile ids):
+    # those rows are zero, reach no token, and write their gradients to the row past the tokens.
+    src = torch.full((slots * CHUNK,), total, dtype=torch.int64, device=dev)
+    src[tmap.tile * CHUNK + tmap.row] = torch.arange(total, dtype=torch.int64, device=dev)
+    per = max(1, (max_batch or DEFAULT_MAX_BATCH) // hv)
+    for t0 in range(0, slots, per):
+        t1 = min(t0 + per, slots)
+        nt = t1 - t0
+        idx = src[t0 * CHUNK:t1 * CHUNK]
+        real = idx < total
+        take = idx.clamp(max=total - 1)
+        tiles = [_slab_tiles(x, take, real, nt, dt) for x in (q, k, g, beta, dqd, dkd, dakt, daq)]
+        grads = grads_from_products(*tiles, dgt[t0:t1].to(dt).reshape(nt * hv, kdim), anchored=anchored)
+        for name, out in outs.items():
+            x = grads[name]  # [nt * HV, 16, *]
+            rows = x.view(nt, hv, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])
+            out.index_copy_(0, idx, rows)
+    return {name: x[:total] for name, x in outs.items()}
