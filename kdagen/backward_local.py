@@ -27,8 +27,8 @@ from kdagen.arch import CHUNK
 from kdagen.chunk_math import chunk_stage_backward
 from kdagen.workspace import layout
 
-__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BATCH_ANCHORED", "TileMap", "chunk_local_backward", "tile_map",
-           "tile_slots"]
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BATCH_ANCHORED", "TileMap", "chunk_local_backward",
+           "default_mm_dtype", "tile_map", "tile_slots"]
 
 Tensor = torch.Tensor
 
@@ -39,11 +39,13 @@ Tensor = torch.Tensor
 # (twice that in fp64). Larger slabs gain nothing measurable: the work, not the launches, sets the time
 # (T = 8191, HV = 32 on an H100: 186 ms at 1024, 182 ms at 4096).
 DEFAULT_MAX_BATCH = 1024
-# The anchored form builds no [batch, 16, 16, K] tensor: its peak is set by the [batch, K, V] states and the
-# terms of the entering state's gradient, ~440 KiB per entry at K = V = 128 fp32 with the slab's tiles and
-# states (measured on the CPU as the growth of the peak resident memory from 512 to 2048 entries per slab:
-# 436 KiB per entry, against 937 KiB for the pairwise form by the same measurement), so 2048 entries keep the
-# pairwise slab's budget, ~0.85 GiB (twice that in fp64).
+# The anchored form builds no [batch, 16, 16, K] tensor, and no [batch, K, V] one but the copy of a state that
+# sum_v S dS takes where h and dh differ in layout (freed before the tile's intermediates), or the states'
+# two bf16 copies: its peak is set by the [batch, 16, K] intermediates, ~250 KiB per entry at K = V = 128
+# fp32 with the slab's tiles (measured on the CPU as the growth of the peak resident memory from 512 to 2048
+# entries per slab, dh a transposed view as the backward passes it: 248 KiB per entry, against 778 KiB for
+# the pairwise form by the same measurement), so 2048 entries take ~0.5 GiB (twice that in fp64), less than
+# the pairwise form's 1024.
 DEFAULT_MAX_BATCH_ANCHORED = 2048
 
 _GRADS = ("dq", "dk", "dv", "dg", "dbeta")
@@ -80,6 +82,12 @@ def tile_map(cu_seqlens: Tensor, total: int) -> TileMap:
     return TileMap(tile, rel % CHUNK, tile_slots(total, num_seqs))
 
 
+def default_mm_dtype(device: torch.device, dt: torch.dtype) -> torch.dtype:
+    """The dtype of the state products' operands when ``chunk_local_backward`` is not given one: bf16 for fp32
+    on CUDA (tensor cores), else ``dt`` itself (the CPU, and fp64 anywhere, compute them exactly)."""
+    return torch.bfloat16 if device.type == "cuda" and dt == torch.float32 else dt
+
+
 def _check_shape(name: str, x: Tensor, want: tuple[int, ...]) -> None:
     if tuple(x.shape) != want:
         raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
@@ -98,6 +106,7 @@ def chunk_local_backward(
     *,
     max_batch: int | None = None,
     anchored: bool = False,
+    mm_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """The gradients of the prepared inputs of every token, each tile on its own.
 
@@ -114,6 +123,13 @@ def chunk_local_backward(
     ``chunk_stage_backward``'s anchored form, without pairwise [.., 16, 16, K] tensors: only for g >= -5 (the
     safe gate), since a hard reset overflows its factors. Returns ``dq``, ``dk``, ``dg`` [total, HV, K],
     ``dv`` [total, HV, V] and ``dbeta`` [total, HV] in the compute dtype.
+
+    ``mm_dtype`` is the dtype of the operands of the products with the states (``chunk_stage_backward``'s
+    ``mm_dtype``). None takes :func:`default_mm_dtype`: bf16 for fp32 on CUDA (tensor cores with fp32
+    accumulation; FLA's backward keeps its states in bf16), the compute dtype otherwise (the CPU, and fp64
+    anywhere, compute the products as exactly as the rest). Each slab's states are taken from ``h`` and ``dh``
+    once: views in the compute dtype, or one copy each cast to ``mm_dtype``. The gradient of the state
+    entering each tile, which the backward's scan computes, is not computed here.
     """
     if q.dim() != 3:
         raise ValueError(f"q: expected [total, HV, K], got shape {tuple(q.shape)}")
@@ -133,6 +149,12 @@ def chunk_local_backward(
         raise ValueError(f"max_batch: expected >= 1, got {max_batch}")
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
+    if mm_dtype is None:
+        mm_dtype = default_mm_dtype(dev, dt)
+    # The states in the products' dtype: views of h and dh in the compute dtype, else one cast copy a slab,
+    # row-major [n, K, V] as chunk_stage_backward uses them.
+    cast = mm_dtype != dt
+    sdt, fmt = (mm_dtype, torch.contiguous_format) if cast else (dt, torch.preserve_format)
     # One row past the tokens receives the padded rows' gradients; it is dropped at the end.
     outs = {name: torch.empty((total + 1, *x.shape[1:]), dtype=dt, device=dev)
             for name, x in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta))}
@@ -150,9 +172,10 @@ def chunk_local_backward(
         real = idx < total
         take = idx.clamp(max=total - 1)
         qs, ks, vs, gs, bs, dos = (_slab_tiles(x, take, real, nt, dt) for x in (q, k, v, g, beta, do))
-        S = h[t0:t1].to(dt).reshape(n, K, V)
-        dS = dh[t0:t1].to(dt).reshape(n, K, V)
-        grads = chunk_stage_backward(qs, ks, vs, gs, bs, S, dos, dS, anchored=anchored)
+        S = h[t0:t1].to(sdt, memory_format=fmt).reshape(n, K, V)
+        dS = dh[t0:t1].to(sdt, memory_format=fmt).reshape(n, K, V)
+        grads = chunk_stage_backward(qs, ks, vs, gs, bs, S, dos, dS, anchored=anchored, state_grad=False,
+                                     mm_dtype=mm_dtype if cast else None)
         for name, out in outs.items():
             x = grads[name]  # [nt * HV, 16, *]
             rows = x.view(nt, HV, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])
