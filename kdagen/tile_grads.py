@@ -13,6 +13,9 @@ tensor of a state's size (K x V) is built.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
 from kdagen.arch import CHUNK
@@ -74,6 +77,21 @@ def grads_from_products(qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, dqd: Ten
     return {"dq": dq, "dk": dk, "dg": dg, "dbeta": dbeta}
 
 
+_compiled: dict[str, Any] = {}
+
+
+def _grads_on(device: torch.device) -> Any:
+    """`grads_from_products` as run on `device`: on CUDA compiled by `torch.compile` (Inductor fuses its
+    ~100 elementwise passes over [batch, 16, K] tensors, which eager torch runs one kernel each), once a
+    process; eager elsewhere, or where the compiler is unavailable (a warning says so, once)."""
+    if device.type != "cuda" or _compiled.get("failed"):
+        return grads_from_products
+    fn = _compiled.get("cuda")
+    if fn is None:
+        fn = _compiled["cuda"] = torch.compile(grads_from_products, dynamic=True)
+    return fn
+
+
 def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: Tensor, dakt: Tensor,
                daq: Tensor, dgt: Tensor, tmap: TileMap, *, anchored: bool = False,
                max_batch: int | None = None) -> dict[str, Tensor]:
@@ -102,7 +120,17 @@ def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: 
         real = idx < total
         take = idx.clamp(max=total - 1)
         tiles = [_slab_tiles(x, take, real, nt, dt) for x in (q, k, g, beta, dqd, dkd, dakt, daq)]
-        grads = grads_from_products(*tiles, dgt[t0:t1].to(dt).reshape(nt * hv, kdim), anchored=anchored)
+        dgt_s = dgt[t0:t1].to(dt).reshape(nt * hv, kdim)
+        fn = _grads_on(dev)
+        try:
+            grads = fn(*tiles, dgt_s, anchored=anchored)
+        except Exception as e:  # the compiler, not the math: the eager form computes the same
+            if fn is grads_from_products:
+                raise
+            _compiled["failed"] = True
+            warnings.warn(f"kdagen.tile_grads: torch.compile failed ({type(e).__name__}: {e}); the "
+                          "backward's tile gradients run eagerly (slower)", RuntimeWarning, stacklevel=2)
+            grads = grads_from_products(*tiles, dgt_s, anchored=anchored)
         for name, out in outs.items():
             x = grads[name]  # [nt * HV, 16, *]
             rows = x.view(nt, hv, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])
