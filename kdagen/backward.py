@@ -75,7 +75,7 @@ def tile_states(
     policy: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward, keeping the state entering every tile: ``(o, final states [N, ...], states)``, states
-    ``[tile slots, HV, ...]`` in the spec's state layout and dtype (slots no tile uses are left unset).
+    ``[tile slots, HV, ...]`` in the spec's state layout and dtype (slots no tile uses are zero).
 
     The forward runs on a pool of ``tile slots + N`` slots: sequence n's state slot is ``slots + n`` (its
     initial state, then its final one), and a checkpoint every 16 tokens writes the state after each full
@@ -89,13 +89,11 @@ def tile_states(
     spec = kernel.spec
     dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
     sdt = getattr(torch, DTYPES[spec.state_dtype].torch)
-    # Only the state slots need values before the call: every tile slot a sequence uses is written (its
-    # checkpoint, or its first tile's initial state below), and the others are never read.
-    pool = torch.empty((slots + nseq, hv, *dims), dtype=sdt, device=q.device)
+    # Zero-filled: the tile slots no sequence uses are never read, but the states are an output of the
+    # training forward (recompute=False) and hold no uninitialised memory.
+    pool = torch.zeros((slots + nseq, hv, *dims), dtype=sdt, device=q.device)
     if initial_state is not None:
         pool[slots:].copy_(initial_state)
-    else:
-        pool[slots:].zero_()
     first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
     lengths = (cu[1:] - cu[:-1]).long()
     # Checkpoint m (after 16 (m + 1) tokens) goes to tile m + 1's slot; the one at the sequence's end (its

@@ -25,7 +25,7 @@ import torch
 
 from kdagen.arch import CHUNK
 from kdagen.chunk_math import chunk_stage_backward
-from kdagen.workspace import layout
+from kdagen.workspace import tile_slots
 
 __all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BATCH_ANCHORED", "TileMap", "chunk_local_backward",
            "default_mm_dtype", "tile_map", "tile_slots"]
@@ -58,12 +58,6 @@ class TileMap(NamedTuple):
     tile: Tensor
     row: Tensor
     slots: int
-
-
-def tile_slots(total: int, num_seqs: int) -> int:
-    """The number of tile ids of a call of ``total`` tokens in ``num_seqs`` sequences, ``total // 16 +
-    num_seqs + 1``: the bound of the tile-id map, as :func:`kdagen.workspace.layout` sizes the workspace."""
-    return layout(total, 1, num_seqs, 1, 4).tile_slots
 
 
 def tile_map(cu_seqlens: Tensor, total: int) -> TileMap:

@@ -269,7 +269,7 @@ def _forward_train_fake(
     if recompute:
         return o, ht, _absent(q, torch.float32)
     spec = _spec(spec_json)
-    from kdagen.backward_local import tile_slots
+    from kdagen.workspace import tile_slots
 
     nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     slots = tile_slots(v.shape[0] * v.shape[1], nseq)

@@ -43,14 +43,20 @@ class Workspace(NamedTuple):
     tile_slots: int
 
 
+def tile_slots(total: int, num_seqs: int) -> int:
+    """Tile ids a call of `total` tokens in `num_seqs` sequences may use: the bound of the injective map
+    floor(bos/16) + seq + step. Plain arithmetic (symbolic sizes trace through it)."""
+    return total // CHUNK + num_seqs + 1
+
+
 @functools.lru_cache(maxsize=256)  # a call site sees few distinct sizes; the lookup is cheaper than the sums
 def layout(total: int, num_v_heads: int, num_seqs: int, head_dim_k: int, elem_bytes: int) -> Workspace:
-    tile_slots = total // CHUNK + num_seqs + 1
+    slots = tile_slots(total, num_seqs)
     plane = _up(total * num_v_heads * head_dim_k * elem_bytes)
     aq = 3 * plane
     gt = aq + _up(total * num_v_heads * CHUNK * elem_bytes)
-    ready = gt + _up(tile_slots * num_v_heads * head_dim_k * 4)
-    order = ready + _up(tile_slots * num_v_heads * 4)
+    ready = gt + _up(slots * num_v_heads * head_dim_k * 4)
+    order = ready + _up(slots * num_v_heads * 4)
     cu = order + _up((num_seqs + 2) * 4)
     size = -(-(cu + (num_seqs + 1) * 4) // ROW) * ROW
-    return Workspace(plane, 2 * plane, aq, gt, ready, order, cu, size, tile_slots)
+    return Workspace(plane, 2 * plane, aq, gt, ready, order, cu, size, slots)

@@ -239,3 +239,41 @@ def test_only_the_final_state_carries_a_gradient(emu: dict) -> None:
     ht_r.sum().backward()
     assert rel_rmse(ref_k.grad, k.grad.double()) < 5e-3
     assert not q.grad.any()
+
+
+def test_a_training_step_compiles_whole(emu: dict) -> None:
+    # torch.compile(fullgraph=True) traces the forward op and its autograd formula (the backward op) with
+    # their fake implementations; the compiled step's gradients equal the eager step's.
+    _, fields, B, T, H, HV, cu, init = CASES[1]
+    spec, x = _case(fields, B, T, H, HV, cu, init)
+    sj = ops.spec_json(spec)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+
+    def step(q, k, v, g, beta, A_log, dt_bias, h0):
+        o, ht = ops.kda_forward(sj, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                output_final_state=True, cu_seqlens=cu_t)
+        return o.float().square().sum() + ht.square().sum()
+
+    runs = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        leaves = [x[n].clone().requires_grad_() for n in GRADS]
+        fn(*leaves).backward()
+        runs.append([t.grad for t in leaves])
+    for name, a, b in zip(GRADS, *runs):
+        assert b is not None and torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-5), name
+
+
+def test_opcheck_of_the_training_ops(emu: dict) -> None:
+    _, fields, B, T, H, HV, cu, init = CASES[2]  # softplus, vk, beta logits, varlen
+    spec, x = _case(fields, B, T, H, HV, cu, init)
+    sj = ops.spec_json(spec)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    inp = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    torch.library.opcheck(torch.ops.kdagen.forward_train,
+                          (sj, *inp, None, x["A_log"], x["dt_bias"], None, True, cu_t, None, False))
+    o, ht = kda_recurrent_reference(*inp, A_log=x["A_log"], dt_bias=x["dt_bias"], output_final_state=True,
+                                    cu_seqlens=cu, gate=spec.gate, l2norm_qk=True,
+                                    state_layout=spec.state_layout, beta_mode=spec.beta)
+    do, dht = torch.randn(o.shape).to(torch.bfloat16), torch.randn(ht.shape)
+    torch.library.opcheck(torch.ops.kdagen.backward,
+                          (sj, *inp, None, x["A_log"], x["dt_bias"], None, cu_t, None, None, do, dht))
