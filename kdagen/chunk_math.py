@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunk_parts", "chunk_stage_backward", "chunk_step"]
+__all__ = ["backward_from_dA", "chunk_parts", "chunk_stage_backward", "chunk_step"]
 
 Tensor = torch.Tensor
 
@@ -150,8 +150,8 @@ def chunk_stage_backward(
     # copy is freed before the chunk's own intermediates are built.
     S_dS = _row_dot(S_mm, dS_mm, mm_dtype, dt)
     c = chunk_parts(qc, kc, vc, gc, bc, S_mm, anchored=anchored, mm_dtype=mm_dtype)
-    incl, strict, Aqk, Akk, Tinv, A = (c[x] for x in ("incl", "strict", "Aqk", "Akk", "Tinv", "A"))
-    eG, KE, W, v_new, g_last, eL, kg = (c[x] for x in ("eG", "KE", "W", "v_new", "g_last", "eL", "kg"))
+    incl, Aqk, A = c["incl"], c["Aqk"], c["A"]
+    eG, KE, W, v_new, g_last, kg = (c[x] for x in ("eG", "KE", "W", "v_new", "g_last", "kg"))
     zero = torch.zeros((), dtype=dt, device=qc.device)
     # stages 2 and 4
     dv_new = Aqk.transpose(1, 2) @ doc + _state_mm(kg, dS_mm, mm_dtype, dt)
@@ -168,6 +168,24 @@ def chunk_stage_backward(
     dA = dv_new @ vc.transpose(1, 2) + dW @ KE.transpose(1, 2)
     dv = A.transpose(1, 2) @ dv_new
     dKE = A.transpose(1, 2) @ dW
+    dkg = _state_mm(v_new, dS_mm.transpose(1, 2), mm_dtype, dt)
+    tail = backward_from_dA(c, qc, kc, bc, dA, dAqk, dQg, dKE, dkg, S_dS, anchored=anchored)
+    return {**tail, "dv": dv, **grads, "dAqk": dAqk}
+
+
+def backward_from_dA(c: dict[str, Tensor], qc: Tensor, kc: Tensor, bc: Tensor, dA: Tensor, dAqk: Tensor,
+                     dQg: Tensor, dKE: Tensor, dkg: Tensor, S_dS: Tensor, *,
+                     anchored: bool = False) -> dict[str, Tensor]:
+    """The backward's stages after dA (kda-math §8, stages 5 to 8), shared by `chunk_stage_backward` and
+    `kdagen.tile_grads`: from `chunk_parts`' intermediates ``c`` and the gradients of A = Tinv diag(beta)
+    (``dA``), of Aqk (``dAqk``, masked), of Q * exp(G) (``dQg``), of K * exp(G) (``dKE``), of
+    K * exp(G_last - G) (``dkg``) and the row sums of S * dS' (``S_dS``, [Bt, K]): the inverse's dL and
+    dbeta, the intra-chunk products back to q, k and the decays, and dg by the reverse cumsum. Returns dq,
+    dk, dg and dbeta."""
+    n = qc.shape[1]
+    strict, Akk, Tinv = c["strict"], c["Akk"], c["Tinv"]
+    eG, KE, g_last, eL, kg = (c[x] for x in ("eG", "KE", "g_last", "eL", "kg"))
+    zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
     dbeta = (dA * Tinv).sum(dim=1)  # A's column s carries beta_s
     dL = torch.where(strict, -Tinv.transpose(1, 2) @ (dA * bc[:, None, :]) @ Tinv.transpose(1, 2), zero)
     dbeta = dbeta + (dL * Akk).sum(dim=2)  # L's row r carries beta_r
@@ -194,10 +212,9 @@ def chunk_stage_backward(
         dE = dE * kc[:, None, :, :] * E
         dG = dE.sum(dim=2) - dE.sum(dim=1) + dKE * KE + dQg * qc * eG
     # the inter-chunk decays: kg = K * exp(G_last - G) and exp(G_last) on the state
-    dkg = _state_mm(v_new, dS_mm.transpose(1, 2), mm_dtype, dt)
     dk = dk + dkg * eL
     dG = dG - dkg * kg
     dG[:, -1, :] += (dkg * kg).sum(dim=1) + S_dS * g_last[:, 0, :].exp()
     # stage 8: G is the chunk-local cumsum of g
     dg = dG.flip(1).cumsum(dim=1).flip(1)
-    return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": dbeta, **grads, "dAqk": dAqk}
+    return {"dq": dq, "dk": dk, "dg": dg, "dbeta": dbeta}

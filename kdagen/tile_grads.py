@@ -5,10 +5,10 @@ The `bwd_tile` stage gives, per 16-token tile, the gradients of the folded forwa
 Akt = P^T Kg, Aq = Aqk P, gt = exp(G_last), P = (I + L)^-1 diag(beta)):
 ``dqd`` = dO S^T, ``dkd`` = -dR S^T, ``dakt`` = R dS'^T, ``daq`` = dO R^T and ``dgt`` = the row sums of
 S * dS'. What is left is small per-tile algebra, here in torch: through Aq and Akt to P, Aqk and Kg
-(dP = Aqk^T dAq + Kg dAkt^T, dAqk = dAq P^T, dKg = P dAkt), then FLA's stage formulas from dP on (the
-inverse's dL, dbeta, the intra-tile products back to q, k and the decays, dg by the reverse cumsum:
-kda-math §8), exactly as `kdagen.chunk_math.chunk_stage_backward` continues from its dA = dV_new R^T. No
-tensor of a state's size (K x V) is built.
+(dP = Aqk^T dAq + Kg dAkt^T, dAqk = dAq P^T, dKg = P dAkt), then FLA's stage formulas from dP on
+(`kdagen.chunk_math.backward_from_dA`: the inverse's dL, dbeta, the intra-tile products back to q, k and
+the decays, dg by the reverse cumsum; kda-math §8), as `chunk_stage_backward` continues from its
+dA = dV_new R^T. No tensor of a state's size (K x V) is built.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from kdagen.arch import CHUNK
 from kdagen.backward_local import TileMap, _slab_tiles
-from kdagen.chunk_math import chunk_parts
+from kdagen.chunk_math import backward_from_dA, chunk_parts
 
 __all__ = ["grads_from_products", "tile_grads", "DEFAULT_MAX_BATCH"]
 
@@ -40,41 +40,13 @@ def grads_from_products(qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, dqd: Ten
     bt, n, K = qc.shape
     dummy = qc.new_zeros((bt, n, 1))
     c = chunk_parts(qc, kc, dummy, gc, bc, qc.new_zeros((bt, K, 1)), anchored=anchored)
-    incl, strict, Aqk, Akk, Tinv, P = (c[x] for x in ("incl", "strict", "Aqk", "Akk", "Tinv", "A"))
-    eG, KE, g_last, eL, kg = (c[x] for x in ("eG", "KE", "g_last", "eL", "kg"))
     zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
-    # Aq = Aqk P and Akt = P^T Kg back to P, Aqk and Kg.
-    dP = Aqk.transpose(1, 2) @ daq + kg @ dakt.transpose(1, 2)
-    dAqk = torch.where(incl, daq @ P.transpose(1, 2), zero)
-    dkg = P @ dakt
-    # P = Tinv diag(beta), Tinv = (I + L)^-1, L = strict(beta_r Akk_rs)
-    dbeta = (dP * Tinv).sum(dim=1)  # P's column s carries beta_s
-    dL = torch.where(strict, -Tinv.transpose(1, 2) @ (dP * bc[:, None, :]) @ Tinv.transpose(1, 2), zero)
-    dbeta = dbeta + (dL * Akk).sum(dim=2)  # L's row r carries beta_r
-    dAkk = dL * bc[:, :, None]
-    # the intra-tile products back to q, k and the decays (chunk_stage_backward's stage 6), with
-    # dQd = dqd (of Q * exp(G)) and dKd = dkd (of K * exp(G))
-    if anchored:
-        dA2 = torch.cat((dAqk, dAkk), dim=1)  # [Bt,2n,n]
-        dq_row, dk_row = ((dA2 @ c["Kc"]).view(bt, 2, n, K) * c["eR"][:, None]).unbind(1)
-        dk_col = (dA2.transpose(1, 2) @ c["Lr"]) * c["eC"]
-        dq = dqd * eG + dq_row
-        dk = dk_row + dk_col + dkd * eG
-        dG = qc * dq_row + kc * (dk_row - dk_col) + dkd * KE + dqd * qc * eG
-    else:
-        E = c["E"]
-        dq = dqd * eG + torch.einsum("hrs,hsd,hrsd->hrd", dAqk, kc, E)
-        dk = (torch.einsum("hrs,hrd,hrsd->hsd", dAqk, qc, E) + torch.einsum("hrs,hsd,hrsd->hrd", dAkk, kc, E)
-              + torch.einsum("hrs,hrd,hrsd->hsd", dAkk, kc, E) + dkd * eG)
-        dE = dAqk[..., None] * qc[:, :, None, :] + dAkk[..., None] * kc[:, :, None, :]
-        dE = dE * kc[:, None, :, :] * E
-        dG = dE.sum(dim=2) - dE.sum(dim=1) + dkd * KE + dqd * qc * eG
-    # the inter-tile decays: Kg = K * exp(G_last - G), and gt = exp(G_last) on the state
-    dk = dk + dkg * eL
-    dG = dG - dkg * kg
-    dG[:, -1, :] += (dkg * kg).sum(dim=1) + dgt * g_last[:, 0, :].exp()
-    dg = dG.flip(1).cumsum(dim=1).flip(1)  # G is the tile-local cumsum of g
-    return {"dq": dq, "dk": dk, "dg": dg, "dbeta": dbeta}
+    # Aq = Aqk P and Akt = P^T Kg back to P, Aqk and Kg; then the stages after dA (P is chunk_math's A), with
+    # dQd = dqd (of Q * exp(G)) and dKd = dkd (of K * exp(G)).
+    P = c["A"]
+    dP = c["Aqk"].transpose(1, 2) @ daq + c["kg"] @ dakt.transpose(1, 2)
+    dAqk = torch.where(c["incl"], daq @ P.transpose(1, 2), zero)
+    return backward_from_dA(c, qc, kc, bc, dP, dAqk, dqd, dkd, P @ dakt, dgt, anchored=anchored)
 
 
 _compiled: dict[str, Any] = {}
