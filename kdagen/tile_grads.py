@@ -49,30 +49,18 @@ def grads_from_products(qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, dqd: Ten
     return backward_from_dA(c, qc, kc, bc, dP, dAqk, dqd, dkd, P @ dakt, dgt, anchored=anchored)
 
 
-def _slab(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: Tensor, dakt: Tensor, daq: Tensor,
-          dgt_s: Tensor, take: Tensor, real: Tensor, anchored: bool) -> dict[str, Tensor]:
-    """One slab: its tiles gathered from the token-major tensors (rows `take`, zero where `real` is False),
-    `grads_from_products`, and the gradients back in token order ([tiles * 16, HV, *], to be scattered)."""
-    nt, hv = take.shape[0] // CHUNK, q.shape[1]
-    dt = dgt_s.dtype
-    tiles = [_slab_tiles(x, take, real, nt, dt) for x in (q, k, g, beta, dqd, dkd, dakt, daq)]
-    grads = grads_from_products(*tiles, dgt_s, anchored=anchored)
-    return {name: x.view(nt, hv, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, hv, *x.shape[2:])
-            for name, x in grads.items()}
-
-
 _compiled: dict[str, Any] = {}
 
 
-def _slab_on(device: torch.device) -> Any:
-    """`_slab` as run on `device`: on CUDA compiled by `torch.compile` (Inductor fuses the gathers and the
+def _grads_on(device: torch.device) -> Any:
+    """`grads_from_products` as run on `device`: on CUDA compiled by `torch.compile` (Inductor fuses its
     ~100 elementwise passes over [batch, 16, K] tensors, which eager torch runs one kernel each), once a
     process; eager elsewhere, or where the compiler is unavailable (a warning says so, once)."""
     if device.type != "cuda" or _compiled.get("failed"):
-        return _slab
+        return grads_from_products
     fn = _compiled.get("cuda")
     if fn is None:
-        fn = _compiled["cuda"] = torch.compile(_slab, dynamic=True)
+        fn = _compiled["cuda"] = torch.compile(grads_from_products, dynamic=True)
     return fn
 
 
@@ -99,19 +87,24 @@ def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: 
     per = max(1, (max_batch or DEFAULT_MAX_BATCH) // hv)
     for t0 in range(0, slots, per):
         t1 = min(t0 + per, slots)
+        nt = t1 - t0
         idx = src[t0 * CHUNK:t1 * CHUNK]
-        args = (q, k, g, beta, dqd, dkd, dakt, daq, dgt[t0:t1].to(dt).reshape((t1 - t0) * hv, kdim),
-                idx.clamp(max=total - 1), idx < total, anchored)
-        fn = _slab_on(dev)
+        real = idx < total
+        take = idx.clamp(max=total - 1)
+        tiles = [_slab_tiles(x, take, real, nt, dt) for x in (q, k, g, beta, dqd, dkd, dakt, daq)]
+        dgt_s = dgt[t0:t1].to(dt).reshape(nt * hv, kdim)
+        fn = _grads_on(dev)
         try:
-            rows = fn(*args)
+            grads = fn(*tiles, dgt_s, anchored=anchored)
         except Exception as e:  # the compiler, not the math: the eager form computes the same
-            if fn is _slab:
+            if fn is grads_from_products:
                 raise
             _compiled["failed"] = True
             warnings.warn(f"kdagen.tile_grads: torch.compile failed ({type(e).__name__}: {e}); the "
                           "backward's tile gradients run eagerly (slower)", RuntimeWarning, stacklevel=2)
-            rows = _slab(*args)
+            grads = grads_from_products(*tiles, dgt_s, anchored=anchored)
         for name, out in outs.items():
-            out.index_copy_(0, idx, rows[name])
+            x = grads[name]  # [nt * HV, 16, *]
+            rows = x.view(nt, hv, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])
+            out.index_copy_(0, idx, rows)
     return {name: x[:total] for name, x in outs.items()}

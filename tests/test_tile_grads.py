@@ -104,24 +104,13 @@ def test_tile_grads_match_the_chunk_local_backward(anchored: bool) -> None:
         assert torch.allclose(got[name], want[name], rtol=1e-9, atol=1e-10), name
 
 
-def test_the_cuda_path_compiles_to_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    # On CUDA each slab (its gathers and the tile algebra) runs compiled (`tile_grads._slab_on`); it must
-    # trace whole, with no graph break, and compute what the eager form does, over slabs of two sizes (the
-    # last one shorter). Checked here on the CPU with Inductor's C++ backend.
-    from kdagen import tile_grads as tg
-
-    cu = torch.tensor([0, 5, 21, 54], dtype=torch.int32)
-    total, hv, K = 54, 2, 16
-    tm = tile_map(cu, total)
-    gen = torch.Generator().manual_seed(9)
-    q, k, dqd, dkd, dakt = (torch.randn(total, hv, K, generator=gen) for _ in range(5))
-    g = -5.0 * torch.rand(total, hv, K, generator=gen)
-    beta, daq = torch.rand(total, hv, generator=gen), torch.randn(total, hv, 16, generator=gen)
-    dgt = torch.randn(tm.slots, hv, K, generator=gen)
-    args = (q, k, g, beta, dqd, dkd, dakt, daq, dgt, tm)
-    want = tile_grads(*args, anchored=True, max_batch=6)
-    compiled = torch.compile(tg._slab, dynamic=True, fullgraph=True)
-    monkeypatch.setattr(tg, "_slab_on", lambda device: compiled)
-    got = tile_grads(*args, anchored=True, max_batch=6)
+def test_the_cuda_path_compiles_to_one_graph() -> None:
+    # On CUDA the tile gradients run compiled (`tile_grads._grads_on`); the function must trace whole, with no
+    # graph break, and compute what the eager form does (checked here on the CPU, Inductor's C++ backend).
+    q, k, v, g, beta, S, do, dS = (x.float() for x in _batch(4, 16, 16, 8, seed=2, safe=True))
+    prods = _products(q, k, v, g, beta, S, do, dS, True)[1:]
+    want = grads_from_products(q, k, g, beta, *prods, anchored=True)
+    compiled = torch.compile(grads_from_products, dynamic=True, fullgraph=True)
+    got = compiled(q, k, g, beta, *prods, anchored=True)
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=1e-4, atol=1e-5), name
