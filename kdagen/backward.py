@@ -27,8 +27,8 @@ import torch
 from kdagen import workspace
 from kdagen.arch import CHUNK
 from kdagen.backward_local import tile_map
-from kdagen.dtypes import DTYPES
 from kdagen.reference import kda_beta, kda_gate, l2norm
+from kdagen.runtime import _TORCH_DTYPE, check_scale, state_shape
 from kdagen.tile_grads import tile_grads
 
 # `kdagen.reference.l2norm`'s eps and the softplus gate's threshold (kda-math §2.1, §2.2): the backward
@@ -80,18 +80,16 @@ def tile_states(
     The forward runs on a pool of ``tile slots + N`` slots: sequence n's state slot is ``slots + n`` (its
     initial state, then its final one), and a checkpoint every 16 tokens writes the state after each full
     tile into the slot of the next tile's id; the first tile's (the initial state) is copied in after."""
-    bsz, seqlen, _, kdim = q.shape
-    hv, vdim = v.shape[2], v.shape[3]
+    bsz, seqlen, hv = v.shape[:3]
     total = bsz * seqlen
     cu = _offsets(cu_seqlens, bsz, seqlen, q.device)
     nseq = cu.numel() - 1
-    slots = workspace.layout(total, hv, nseq, kdim, q.element_size()).tile_slots
+    slots = workspace.tile_slots(total, nseq)
     spec = kernel.spec
-    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
-    sdt = getattr(torch, DTYPES[spec.state_dtype].torch)
+    sdt = _TORCH_DTYPE[spec.state_dtype]
     # Zero-filled: the tile slots no sequence uses are never read, but the states are an output of the
     # training forward (recompute=False) and hold no uninitialised memory.
-    pool = torch.zeros((slots + nseq, hv, *dims), dtype=sdt, device=q.device)
+    pool = torch.zeros(state_shape(spec, slots + nseq, hv), dtype=sdt, device=q.device)
     if initial_state is not None:
         pool[slots:].copy_(initial_state)
     first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
@@ -135,8 +133,6 @@ def run_backward(
     """Gradients of the forward's inputs given dO (``do``, [B, T, HV, V]) and the final states' gradient
     (``dht``, the state layout; None: zero). ``states`` are `tile_states`' (recomputed when None). The
     inputs are the forward's, already validated by it."""
-    from kdagen.runtime import _TORCH_DTYPE, check_scale
-
     spec = kernel.spec
     bsz, seqlen, nh, kdim = q.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -157,12 +153,11 @@ def run_backward(
     compact = [t.contiguous() for t in (q, k, g, beta)]
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     sms = kernel._sm_count(device)
-    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
     # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read.
     dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=torch.float32, device=device)
-    dh0 = torch.empty((nseq, hv, *dims), dtype=torch.float32, device=device)
+    dh0 = torch.empty(state_shape(spec, nseq, hv), dtype=torch.float32, device=device)
     dht_arg = dht.to(torch.float32).contiguous() if dht is not None else torch.zeros(
-        (1, hv, *dims), dtype=torch.float32, device=device)
+        state_shape(spec, 1, hv), dtype=torch.float32, device=device)
     if do is None:  # only the final state's gradient reaches the call
         do = torch.zeros(v.shape[:3] + (vdim,), dtype=dt, device=device)
     do_arg = do.to(dt).contiguous().view(total, hv, vdim)

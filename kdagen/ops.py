@@ -66,7 +66,7 @@ import kdagen
 from kdagen.decode import validate_decode_inputs
 from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
-from kdagen.runtime import _check_no_grad, check_scale, check_state_form, refuse_grad
+from kdagen.runtime import _check_no_grad, check_scale, check_state_form, refuse_grad, state_shape
 from kdagen.spec import KernelSpec, resolve_spec
 
 __all__ = [
@@ -273,10 +273,8 @@ def _forward_train_fake(
 
     nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     slots = tile_slots(v.shape[0] * v.shape[1], nseq)
-    kdim, vdim = spec.head_dim_k, spec.head_dim_v
-    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
     sdt = getattr(torch, DTYPES[spec.state_dtype].torch)
-    return o, ht, q.new_empty((slots, v.shape[2], *dims), dtype=sdt)
+    return o, ht, q.new_empty(state_shape(spec, slots, v.shape[2]), dtype=sdt)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -358,13 +356,11 @@ def _backward_op_fake(
            torch.Tensor]:
     spec = _spec(spec_json)
     nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    kdim, vdim = spec.head_dim_k, spec.head_dim_v
-    dims = (kdim, vdim) if spec.state_layout == "kv" else (vdim, kdim)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta),
             torch.empty_like(A_log) if A_log is not None else _absent(q, torch.float32),
             torch.empty_like(dt_bias) if dt_bias is not None else _absent(q, torch.float32),
-            q.new_empty((nseq, v.shape[2], *dims), dtype=torch.float32))
+            q.new_empty(state_shape(spec, nseq, v.shape[2]), dtype=torch.float32))
 
 
 @torch.library.custom_op(POOL_OP_NAME, mutates_args=("state_pool",))
