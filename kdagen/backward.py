@@ -9,10 +9,10 @@ Four parts, in order:
    the gradient of the initial states, from prepare's tiles and dO alone.
 3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
    gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
-4. The rest of every tile's gradients (`kdagen.tile_grads`, torch in fp32, no state-sized tensor): back
-   through P, Aqk and the decays to the prepared inputs (`kdagen.reference`'s `kda_gate`, `l2norm`,
-   `kda_beta` forms), then the GVA group sums and the l2norm's, gate's and beta's backward by their closed
-   forms (the backward op runs below autograd).
+4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and head, fp32; `kdagen.tile_grads`
+   is its torch reference): back through P, Aqk and the decays to the prepared inputs (`kdagen.reference`'s
+   `kda_gate`, `l2norm`, `kda_beta` forms), then, in torch, the GVA group sums and the l2norm's, gate's and
+   beta's backward by their closed forms (the backward op runs below autograd).
 
 Gradients come back in the inputs' dtypes: dq, dk, dv, dg (of the raw gate input for in-kernel gates), dbeta
 (of beta as given), dA_log, ddt_bias (the shape given), dh0 (fp32, the state layout).
@@ -26,10 +26,8 @@ import torch
 
 from kdagen import workspace
 from kdagen.arch import CHUNK
-from kdagen.backward_local import tile_map
 from kdagen.reference import kda_beta, kda_gate, l2norm
 from kdagen.runtime import _TORCH_DTYPE, check_scale, state_shape
-from kdagen.tile_grads import tile_grads
 
 # `kdagen.reference.l2norm`'s eps and the softplus gate's threshold (kda-math §2.1, §2.2): the backward
 # differentiates the forms the kernels compute.
@@ -165,23 +163,26 @@ def run_backward(
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
              for name, d in (("dv", vdim), ("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
-    with kernel._stream_scope(device):
-        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
-        kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
-        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
-                         prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
-
-    # ---- every tile's gradients (of the prepared inputs), then the input transforms' backward ----
+    # The prepared inputs in fp32, one row a value head, as bwd_grads differentiates them.
     group = hv // nh
     qf, kf = q.to(f32), k.to(f32)
     qp, kp = (l2norm(qf), l2norm(kf)) if spec.l2norm_qk else (qf, kf)
     qp = (qp * scale).repeat_interleave(group, dim=2).reshape(total, hv, kdim)
     kp = kp.repeat_interleave(group, dim=2).reshape(total, hv, kdim)
     gp = kda_gate(g.to(f32), gate=spec.gate, A_log=_a_log(spec.gate, A_log, hv, device), dt_bias=dt_bias,
-                  lower_bound=spec.lower_bound).reshape(total, hv, kdim)
-    bp = kda_beta(beta.to(f32), spec.beta).reshape(total, hv)
-    grads = tile_grads(qp, kp, gp, bp, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt,
-                       tile_map(cu, total), anchored=spec.safe_gate)
+                  lower_bound=spec.lower_bound).reshape(total, hv, kdim).contiguous()
+    bp = kda_beta(beta.to(f32), spec.beta).reshape(total, hv).contiguous()
+    grads = {name: torch.empty((total, hv, kdim), dtype=f32, device=device) for name in ("dq", "dk", "dg")}
+    grads["dbeta"] = torch.empty((total, hv), dtype=f32, device=device)
+    with kernel._stream_scope(device):
+        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
+        kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
+        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
+                         prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
+        kernel._bwd_grads(qp.contiguous(), kp.contiguous(), gp, bp, prods["dqd"], prods["dkd"], prods["dakt"],
+                          prods["daq"], dgt, cu_c, grads["dq"], grads["dk"], grads["dg"], grads["dbeta"])
+
+    # ---- the input transforms' backward and the GVA group sums ----
     dq = _qk_backward(qf, grads["dq"].view(bsz, seqlen, nh, group, kdim).sum(3) * scale, spec.l2norm_qk)
     dk = _qk_backward(kf, grads["dk"].view(bsz, seqlen, nh, group, kdim).sum(3), spec.l2norm_qk)
     dg, d_alog, d_bias = _gate_backward(spec.gate, spec.lower_bound, g, grads["dg"].view(g.shape), A_log,

@@ -577,6 +577,7 @@ class KDAKernel:
         self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
         self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time
+        self._bwd_grads = stages.get("bwd_grads")  # the backward's per-tile algebra after bwd_tile
         params = {s.name: s.params for s in plan.stages}
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])

@@ -4,7 +4,8 @@ The `bwd_tile` stage gives, per 16-token tile, the gradients of the folded forwa
 (R = V - Kd S, O = Qd S + Aq R, S' = diag(gt) S + Akt^T R, with Kd = K exp(G), Qd = Q exp(G),
 Akt = P^T Kg, Aq = Aqk P, gt = exp(G_last), P = (I + L)^-1 diag(beta)):
 ``dqd`` = dO S^T, ``dkd`` = -dR S^T, ``dakt`` = R dS'^T, ``daq`` = dO R^T and ``dgt`` = the row sums of
-S * dS'. What is left is small per-tile algebra, here in torch: through Aq and Akt to P, Aqk and Kg
+S * dS'. What is left is small per-tile algebra, here in torch (the `bwd_grads` stage's reference; the
+backward runs the stage): through Aq and Akt to P, Aqk and Kg
 (dP = Aqk^T dAq + Kg dAkt^T, dAqk = dAq P^T, dKg = P dAkt), then FLA's stage formulas from dP on
 (`kdagen.chunk_math.backward_from_dA`: the inverse's dL, dbeta, the intra-tile products back to q, k and
 the decays, dg by the reverse cumsum; kda-math §8), as `chunk_stage_backward` continues from its
@@ -12,9 +13,6 @@ dA = dV_new R^T. No tensor of a state's size (K x V) is built.
 """
 
 from __future__ import annotations
-
-import warnings
-from typing import Any
 
 import torch
 
@@ -49,21 +47,6 @@ def grads_from_products(qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, dqd: Ten
     return backward_from_dA(c, qc, kc, bc, dP, dAqk, dqd, dkd, P @ dakt, dgt, anchored=anchored)
 
 
-_compiled: dict[str, Any] = {}
-
-
-def _grads_on(device: torch.device) -> Any:
-    """`grads_from_products` as run on `device`: on CUDA compiled by `torch.compile` (Inductor fuses its
-    ~100 elementwise passes over [batch, 16, K] tensors, which eager torch runs one kernel each), once a
-    process; eager elsewhere, or where the compiler is unavailable (a warning says so, once)."""
-    if device.type != "cuda" or _compiled.get("failed"):
-        return grads_from_products
-    fn = _compiled.get("cuda")
-    if fn is None:
-        fn = _compiled["cuda"] = torch.compile(grads_from_products, dynamic=True)
-    return fn
-
-
 def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: Tensor, dakt: Tensor,
                daq: Tensor, dgt: Tensor, tmap: TileMap, *, anchored: bool = False,
                max_batch: int | None = None) -> dict[str, Tensor]:
@@ -93,16 +76,7 @@ def tile_grads(q: Tensor, k: Tensor, g: Tensor, beta: Tensor, dqd: Tensor, dkd: 
         take = idx.clamp(max=total - 1)
         tiles = [_slab_tiles(x, take, real, nt, dt) for x in (q, k, g, beta, dqd, dkd, dakt, daq)]
         dgt_s = dgt[t0:t1].to(dt).reshape(nt * hv, kdim)
-        fn = _grads_on(dev)
-        try:
-            grads = fn(*tiles, dgt_s, anchored=anchored)
-        except Exception as e:  # the compiler, not the math: the eager form computes the same
-            if fn is grads_from_products:
-                raise
-            _compiled["failed"] = True
-            warnings.warn(f"kdagen.tile_grads: torch.compile failed ({type(e).__name__}: {e}); the "
-                          "backward's tile gradients run eagerly (slower)", RuntimeWarning, stacklevel=2)
-            grads = grads_from_products(*tiles, dgt_s, anchored=anchored)
+        grads = grads_from_products(*tiles, dgt_s, anchored=anchored)
         for name, out in outs.items():
             x = grads[name]  # [nt * HV, 16, *]
             rows = x.view(nt, hv, CHUNK, *x.shape[2:]).transpose(1, 2).reshape(nt * CHUNK, *out.shape[1:])

@@ -17,6 +17,7 @@ import torch
 
 import kdagen
 from kdagen import ops
+from kdagen.backward_local import tile_map
 from kdagen.chunk_math import chunk_parts, chunk_stage_backward
 from kdagen.reference import (
     _prepare,
@@ -30,6 +31,7 @@ from kdagen.reference import (
 )
 from kdagen.runtime import check_scale
 from kdagen.spec import KernelSpec
+from kdagen.tile_grads import tile_grads
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -117,7 +119,6 @@ class EmuKernel:
                                           dO[sl].transpose(0, 1), dS)["dS"]
             dh0[i] = (dS.transpose(-1, -2) if s.state_layout == "vk" else dS).float()
 
-
     def _bwd_tile(self, kd, akt, aq, v, do, cu, states, dh, dv, dqd, dkd, dakt, daq, dgt):
         """`bwd_tile`'s products a tile at a time in fp64 (the folded step's formulas), from the inputs of the
         forward run last and the states it is given."""
@@ -151,6 +152,13 @@ class EmuKernel:
                 daq[rows] = 0.0  # the kernel writes all 16 columns (zero past the tile's tokens)
                 daq[rows, :, : c1 - c0] = (dO[sl].transpose(0, 1) @ R.transpose(1, 2)).transpose(0, 1).float()
                 dgt[tile] = (S * dS).sum(dim=2).float()
+
+    def _bwd_grads(self, q, k, g, beta, dqd, dkd, dakt, daq, dgt, cu, dq, dk, dg, dbeta):
+        """`bwd_grads` by its torch reference (`kdagen.tile_grads`), from the prepared inputs it is given."""
+        out = tile_grads(q, k, g, beta, dqd, dkd, dakt, daq, dgt, tile_map(cu, q.shape[0]),
+                         anchored=self.spec.safe_gate)
+        for name, x in (("dq", dq), ("dk", dk), ("dg", dg), ("dbeta", dbeta)):
+            x.copy_(out[name])
 
 
 @pytest.fixture

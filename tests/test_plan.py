@@ -31,6 +31,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "decode": "common/decode.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
         "bwd_tile": "mma_sync/bwd_tile.py.j2",
+        "bwd_grads": "common/bwd_grads.py.j2",
     }
 
 
@@ -55,6 +56,7 @@ def test_other_targets_are_mma_sync(arch: str):
     templates = _templates(KernelSpec(arch=arch))
     assert templates.pop("forward") == "common/forward.py.j2"
     assert templates.pop("decode") == "common/decode.py.j2"
+    assert templates.pop("bwd_grads") == "common/bwd_grads.py.j2"
     assert all(t.startswith("mma_sync/") for t in templates.values())
 
 
@@ -67,7 +69,7 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
-                                "bwd_scan", "bwd_tile"]
+                                "bwd_scan", "bwd_tile", "bwd_grads"]
 
 
 @pytest.mark.parametrize(
