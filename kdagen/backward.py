@@ -26,13 +26,7 @@ import torch
 
 from kdagen import workspace
 from kdagen.arch import CHUNK
-from kdagen.reference import kda_beta, kda_gate, l2norm
 from kdagen.runtime import _TORCH_DTYPE, check_scale, state_shape
-
-# `kdagen.reference.l2norm`'s eps and the softplus gate's threshold (kda-math §2.1, §2.2): the backward
-# differentiates the forms the kernels compute.
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
 
 if TYPE_CHECKING:
     from kdagen.runtime import KDAKernel
@@ -71,6 +65,7 @@ def tile_states(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     policy: object = None,
+    zero_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward, keeping the state entering every tile: ``(o, final states [N, ...], states)``, states
     ``[tile slots, HV, ...]`` in the spec's state layout and dtype (slots no tile uses are zero).
@@ -85,11 +80,13 @@ def tile_states(
     slots = workspace.tile_slots(total, nseq)
     spec = kernel.spec
     sdt = _TORCH_DTYPE[spec.state_dtype]
-    # Zero-filled: the tile slots no sequence uses are never read, but the states are an output of the
-    # training forward (recompute=False) and hold no uninitialised memory.
-    pool = torch.zeros(state_shape(spec, slots + nseq, hv), dtype=sdt, device=q.device)
+    shape = state_shape(spec, slots + nseq, hv)
+    pool = torch.zeros(shape, dtype=sdt, device=q.device) if zero_unused else torch.empty(
+        shape, dtype=sdt, device=q.device)
     if initial_state is not None:
         pool[slots:].copy_(initial_state)
+    elif not zero_unused:
+        pool[slots:].zero_()
     first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
     lengths = (cu[1:] - cu[:-1]).long()
     # Checkpoint m (after 16 (m + 1) tokens) goes to tile m + 1's slot; the one at the sequence's end (its
@@ -141,7 +138,8 @@ def run_backward(
     nseq = cu.numel() - 1
     if states is None:
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                                   initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy)
+                                   initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
+                                   zero_unused=False)
 
     # ---- the reverse scan: dS leaving every tile, dh0 ----
     dt = _TORCH_DTYPE[spec.dtype]
@@ -163,88 +161,32 @@ def run_backward(
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
              for name, d in (("dv", vdim), ("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
-    # The prepared inputs in fp32, one row a value head, as bwd_grads differentiates them.
-    group = hv // nh
-    qf, kf = q.to(f32), k.to(f32)
-    qp, kp = (l2norm(qf), l2norm(kf)) if spec.l2norm_qk else (qf, kf)
-    qp = (qp * scale).repeat_interleave(group, dim=2).reshape(total, hv, kdim)
-    kp = kp.repeat_interleave(group, dim=2).reshape(total, hv, kdim)
-    gp = kda_gate(g.to(f32), gate=spec.gate, A_log=_a_log(spec.gate, A_log, hv, device), dt_bias=dt_bias,
-                  lower_bound=spec.lower_bound).reshape(total, hv, kdim).contiguous()
-    bp = kda_beta(beta.to(f32), spec.beta).reshape(total, hv).contiguous()
-    grads = {name: torch.empty((total, hv, kdim), dtype=f32, device=device) for name in ("dq", "dk", "dg")}
-    grads["dbeta"] = torch.empty((total, hv), dtype=f32, device=device)
+    # bwd_grads writes the gradients of the inputs as given (q and k through the l2norm and the GVA sum, g
+    # through the gate, beta through its transform); the gate's parameters get per-tile partial sums.
+    ntb = ws.tile_slots
+    dq = torch.empty((total, nh, kdim), dtype=q.dtype, device=device)
+    dk = torch.empty((total, nh, kdim), dtype=k.dtype, device=device)
+    dg = torch.empty((total, hv, kdim), dtype=g.dtype, device=device)
+    dbeta = torch.empty((total, hv), dtype=beta.dtype, device=device)
+    gate_parts: tuple[torch.Tensor, ...] = ()
+    if gate_args:  # unused tile ids are never written: zero so that the sums over tiles see nothing there
+        gate_parts = tuple(torch.zeros((ntb, hv, kdim), dtype=f32, device=device) for _ in range(2))
+    q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
         kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
         kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
                          prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
-        kernel._bwd_grads(qp.contiguous(), kp.contiguous(), gp, bp, prods["dqd"], prods["dkd"], prods["dakt"],
-                          prods["daq"], dgt, cu_c, grads["dq"], grads["dk"], grads["dg"], grads["dbeta"])
+        gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()
+        kernel._bwd_grads(q_c.view(total, nh, kdim), k_c.view(total, nh, kdim), g_c.view(total, hv, kdim),
+                          beta_c.view(total, hv), *gate_in, prods["dqd"], prods["dkd"], prods["dakt"],
+                          prods["daq"], dgt, cu_c, dq, dk, dg, dbeta, *gate_parts, float(scale))
 
-    # ---- the input transforms' backward and the GVA group sums ----
-    dq = _qk_backward(qf, grads["dq"].view(bsz, seqlen, nh, group, kdim).sum(3) * scale, spec.l2norm_qk)
-    dk = _qk_backward(kf, grads["dk"].view(bsz, seqlen, nh, group, kdim).sum(3), spec.l2norm_qk)
-    dg, d_alog, d_bias = _gate_backward(spec.gate, spec.lower_bound, g, grads["dg"].view(g.shape), A_log,
-                                        dt_bias)
-    dbeta = _beta_backward(spec.beta, beta, grads["dbeta"].view(beta.shape))
-    dv = prods["dv"].view(v.shape).to(v.dtype)
-    return Grads(dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), d_alog, d_bias,
-                 dh0)
-
-
-def _a_log(gate: str, A_log: torch.Tensor | None, hv: int, device: torch.device) -> torch.Tensor | None:
-    # The kernels' default where A_log is not given: zero, so exp(A_log) = 1 (the softplus form needs one).
-    if A_log is None and gate == "softplus":
-        return torch.zeros(hv, dtype=torch.float32, device=device)
-    return A_log
-
-
-def _qk_backward(x: torch.Tensor, dy: torch.Tensor, l2norm_qk: bool) -> torch.Tensor:
-    """The gradient of x (fp32) from that of l2norm(x) (or of x itself): y = x r, r = (|x|^2 + eps)^-1/2,
-    dx = r (dy - y (y . dy))."""
-    if not l2norm_qk:
-        return dy
-    r = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)
-    y = x * r
-    return r * (dy - y * (dy * y).sum(-1, keepdim=True))
-
-
-def _gate_backward(gate: str, lower_bound: float | None, g: torch.Tensor, dg: torch.Tensor,
-                   A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(d g_raw, dA_log, ddt_bias) from the gradient of the log-decay, for `kda_gate`'s forms (kda-math
-    §2.1): lower_bound lb sigmoid(a (x + b)), softplus -a softplus(x + b) (threshold 20), a = exp(A_log)."""
-    if gate == "precomputed":
-        return dg, None, None
-    hv, kdim = g.shape[-2], g.shape[-1]
-    x = g.to(torch.float32)
+    d_alog = d_bias = None
+    if A_log is not None:
+        d_alog = gate_parts[0].sum(dim=(0, 2)).reshape(A_log.shape).to(A_log.dtype)
     if dt_bias is not None:
-        x = x + dt_bias.to(torch.float32).reshape(hv, kdim)
-    a = None if A_log is None else A_log.to(torch.float32).exp().reshape(hv, 1)
-    if gate == "lower_bound":
-        z = x if a is None else a * x
-        s = torch.sigmoid(z)
-        dz = dg * (float(lower_bound) * s * (1.0 - s))  # type: ignore[arg-type]
-        dx = dz if a is None else dz * a
-        da = None if a is None else dz * z  # d/dA_log of a x is a x
-    else:
-        a1 = torch.ones((hv, 1), dtype=torch.float32, device=g.device) if a is None else a
-        slope = torch.where(x > SOFTPLUS_THRESHOLD, torch.ones_like(x), torch.sigmoid(x))
-        dx = -dg * a1 * slope
-        da = None if a is None else -dg * a1 * torch.nn.functional.softplus(x, 1.0, SOFTPLUS_THRESHOLD)
-    token_dims = tuple(range(g.dim() - 2))
-    d_alog = None
-    if da is not None and A_log is not None:
-        d_alog = da.sum(dim=(*token_dims, g.dim() - 1)).reshape(A_log.shape).to(A_log.dtype)
-    d_bias = None if dt_bias is None else dx.sum(dim=token_dims).reshape(dt_bias.shape).to(dt_bias.dtype)
-    return dx, d_alog, d_bias
-
-
-def _beta_backward(mode: str, beta: torch.Tensor, dbp: torch.Tensor) -> torch.Tensor:
-    """The gradient of beta as given from that of beta as used (`kda_beta`): prob as is, logit through the
-    sigmoid, logit_x2 through twice the sigmoid."""
-    if mode == "prob":
-        return dbp
-    s = torch.sigmoid(beta.to(torch.float32))
-    return dbp * s * (1.0 - s) * (2.0 if mode == "logit_x2" else 1.0)
+        d_bias = gate_parts[1].sum(dim=0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    dv = prods["dv"].view(v.shape).to(v.dtype)
+    return Grads(dq.view(q.shape), dk.view(k.shape), dv, dg.view(g.shape), dbeta.view(beta.shape), d_alog,
+                 d_bias, dh0)

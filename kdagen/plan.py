@@ -439,12 +439,20 @@ def make_plan(spec: KernelSpec) -> Plan:
         {**common, "state_layout": spec.state_layout},
         note="backward: a tile's products with the states entering and leaving it, one CTA a tile and head",
     )
-    # The backward's per-tile algebra after bwd_tile (templates/common/bwd_grads.py.j2): 16 x 16 and 16 x K
-    # products in fp32 on CUDA cores, the same in every family.
+    # The backward's per-tile algebra after bwd_tile, down to the inputs' transforms
+    # (templates/common/bwd_grads.py.j2): 16 x 16 and 16 x K products in fp32 on CUDA cores, every family.
     bwd_grads = StagePlan(
         "bwd_grads", "common/bwd_grads.py.j2",
-        {"head_dim_k": spec.head_dim_k, "chunk": CHUNK},
-        note="backward: a tile's gradients of the prepared inputs from its products, one CTA a tile and head",
+        {
+            **common,
+            "gate": spec.gate,
+            "lower_bound": spec.lower_bound,
+            "l2norm_qk": spec.l2norm_qk,
+            "g_dtype": DTYPES[spec.g_dtype].dsl,
+            "beta_dtype": DTYPES[spec.beta_dtype].dsl,
+            "beta": spec.beta,
+        },
+        note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_scan,
               bwd_tile, bwd_grads)

@@ -17,7 +17,6 @@ import torch
 
 import kdagen
 from kdagen import ops
-from kdagen.backward_local import tile_map
 from kdagen.chunk_math import chunk_parts, chunk_stage_backward
 from kdagen.reference import (
     _prepare,
@@ -31,7 +30,7 @@ from kdagen.reference import (
 )
 from kdagen.runtime import check_scale
 from kdagen.spec import KernelSpec
-from kdagen.tile_grads import tile_grads
+from kdagen.tile_grads import input_grads
 
 GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -77,7 +76,13 @@ class EmuKernel:
         return o.to(q.dtype), (None if ht is None else ht.float())
 
     def _gate_args(self, A_log, dt_bias, hv, device):
-        return ()
+        # as KDAKernel's: (A_log [HV], dt_bias [HV * K]) for an in-kernel gate, zeros where not given
+        if self.spec.gate == "precomputed":
+            return ()
+        kdim = self.spec.head_dim_k
+        a_log = A_log if A_log is not None else torch.zeros(hv, device=device)
+        bias = dt_bias.reshape(hv * kdim) if dt_bias is not None else torch.zeros(hv * kdim, device=device)
+        return (a_log, bias)
 
     def _sm_count(self, device):
         return 1
@@ -153,12 +158,24 @@ class EmuKernel:
                 daq[rows, :, : c1 - c0] = (dO[sl].transpose(0, 1) @ R.transpose(1, 2)).transpose(0, 1).float()
                 dgt[tile] = (S * dS).sum(dim=2).float()
 
-    def _bwd_grads(self, q, k, g, beta, dqd, dkd, dakt, daq, dgt, cu, dq, dk, dg, dbeta):
-        """`bwd_grads` by its torch reference (`kdagen.tile_grads`), from the prepared inputs it is given."""
-        out = tile_grads(q, k, g, beta, dqd, dkd, dakt, daq, dgt, tile_map(cu, q.shape[0]),
-                         anchored=self.spec.safe_gate)
+    def _bwd_grads(self, q, k, g, beta, *rest):
+        """`bwd_grads` by its torch reference (`kdagen.tile_grads.input_grads`); the gate's parameters' totals
+        land in the first tile's partial sums."""
+        gated = self.spec.gate != "precomputed"
+        a_log, dt_bias = rest[:2] if gated else (None, None)
+        rest = rest[2:] if gated else rest
+        dqd, dkd, dakt, daq, dgt, cu, dq, dk, dg, dbeta = rest[:10]
+        parts, scale = rest[10:-1], rest[-1]
+        hv, kdim = g.shape[1], g.shape[2]
+        bias = None if dt_bias is None else dt_bias.reshape(hv, kdim)
+        out = input_grads(self.spec, q, k, g, beta, a_log, bias, dqd, dkd, dakt, daq, dgt, cu, scale)
         for name, x in (("dq", dq), ("dk", dk), ("dg", dg), ("dbeta", dbeta)):
             x.copy_(out[name])
+        if gated:
+            for x in parts:
+                x.zero_()
+            parts[0][0, :, 0] = out["dA_log"]
+            parts[1][0] = out["ddt_bias"]
 
 
 @pytest.fixture

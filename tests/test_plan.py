@@ -211,11 +211,12 @@ def test_merge_prefetch_fits_the_targets_shared_memory(arch: str, stages: int, h
 @pytest.mark.parametrize("mode", ["prob", "logit", "logit_x2"])
 @pytest.mark.parametrize("arch,family", [("sm_90a", "auto"), ("sm_90a", "mma_sync"), ("sm_80", "auto")])
 def test_beta_mode_reaches_every_stage_that_loads_beta(mode: str, arch: str, family: str):
-    # prepare (both families), the fused kernel and its pair form (they inherit prepare's params) and decode
-    # load beta; the other stages never read it, and their params, so their rendered files, do not change.
+    # prepare (both families), the fused kernel and its pair form (they inherit prepare's params), decode and
+    # the backward's bwd_grads load beta; the other stages never read it, and their params, so their rendered
+    # files, do not change.
     spec = KernelSpec(arch=arch, family=family, beta=mode)
     plan = make_plan(spec)
-    loads = {"prepare", "fused", "fused_pair", "decode"}
+    loads = {"prepare", "fused", "fused_pair", "decode", "bwd_grads"}
     assert {s.name: s.params["beta"] for s in plan.stages if s.name in loads} == {
         s.name: mode for s in plan.stages if s.name in loads
     }
