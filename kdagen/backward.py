@@ -149,8 +149,9 @@ def run_backward(
     compact = [t.contiguous() for t in (q, k, g, beta)]
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     sms = kernel._sm_count(device)
-    # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read.
-    dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+    # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read. In
+    # the MMA type, as bwd_tile stages it: the same operands as an fp32 dh, half the bytes.
+    dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=dt, device=device)
     dh0 = torch.empty(state_shape(spec, nseq, hv), dtype=torch.float32, device=device)
     dht_arg = dht.to(torch.float32).contiguous() if dht is not None else torch.zeros(
         state_shape(spec, 1, hv), dtype=torch.float32, device=device)
