@@ -28,6 +28,10 @@ DECODE_SMEM_EXTRA = 4096
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
+# CTAs an SM the backward's bwd_grads stage is compiled for (its registers capped to fit them): at 178
+# registers and two CTAs an SM it was latency-bound (12.5% occupancy; docs/experiments.md, "Backward: the
+# tile algebra as a stage").
+BWD_GRADS_CTAS = 4
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -451,6 +455,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "beta": spec.beta,
+            "min_ctas": BWD_GRADS_CTAS,
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
