@@ -3,8 +3,9 @@
 YAML spec -> planner -> Jinja templates rendered into ``generated/`` -> CuTe DSL compile -> binary cache ->
 ``kdagen.get_kernel(spec)``.
 
-Importing this package is cheap and touches no GPU: it loads the spec model only. cutlass, tvm_ffi and torch
-are imported when a kernel is built or loaded.
+Importing this package is cheap and touches no GPU: it loads the spec's plain class only. pydantic (the spec
+model) is imported when a spec is validated, PyYAML when a spec file is read, Jinja when sources are
+rendered, and cutlass, tvm_ffi and torch when a kernel is built or loaded.
 """
 
 from __future__ import annotations

@@ -12,19 +12,29 @@ planned and loaded from the bundle's files, with no key computed at all.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdagen import bundle, paths, source_memo
-from kdagen.cache import ArtifactCache
 from kdagen.errors import BuildError, CacheMissError, LoadError
 from kdagen.keys import cache_key, key_from_digests, source_digests, toolchain_fingerprint
 from kdagen.plan import Plan, make_plan
-from kdagen.spec import KernelSpec, resolve_spec, validate_capabilities
+from kdagen.spec import (
+    KernelSpec,
+    parse_spec_ref,
+    plain_values,
+    resolve_spec,
+    trusted_spec,
+    validate_capabilities,
+)
+
+if TYPE_CHECKING:
+    from kdagen.cache import ArtifactCache
 
 
 @dataclass
@@ -137,6 +147,8 @@ def build_variant(
     ref = str(spec) if isinstance(spec, (str, Path)) else None  # "file.yaml:name", for messages
     vname, spec = resolve_spec(spec)
     name = name or vname
+    from kdagen.cache import ArtifactCache  # here: a kernel from a bundle never opens the cache
+
     cache = ArtifactCache()
     plan = _planned(spec)
     target = check_target(spec, target)
@@ -249,12 +261,62 @@ def get_kernel(spec: Any, force: bool = False, target: str | None = None):
         hit = _by_argument.get(arg)
         if hit is not None:
             return hit
+    found = None if force or target is not None else _bundle_entry(spec)
+    if found is not None:
+        name, resolved, entry = found
+        with _lock:
+            kernel = _bundled(resolved, name, entry)
+            if arg is not None:
+                _by_argument[arg] = kernel
+        return kernel
     name, resolved = resolve_spec(spec)
     with _lock:
         kernel = _kernel(resolved, name, force, target)
         if arg is not None:
             _by_argument[arg] = kernel
     return kernel
+
+
+def _bundle_entry(spec: Any) -> tuple[str | None, KernelSpec, bundle.BundleEntry] | None:
+    """(variant name, spec, entry) of a get_kernel argument found in a registered bundle without validating
+    it, or None (then `resolve_spec` and `_kernel` take it as before).
+
+    Only a valid spec is in a bundle, so a hit needs no validation: a dict is looked up by the canonical
+    JSON of its values read without pydantic (`plain_values`, where it can), a ``"file.yaml:name"`` by its
+    file's bytes (`bundle.find_in_file`), with no YAML read, a `KernelSpec` by its canonical JSON. A bundle
+    that cannot be used here is a miss now: the normal path checks the spec first, then finds the bundle's
+    error again, in the order it always had.
+    """
+    try:
+        if isinstance(spec, KernelSpec):
+            entry = bundle.find(spec.canonical_json())
+            return None if entry is None else (None, spec, entry)
+        if isinstance(spec, dict):
+            values = plain_values(spec)
+            if values is None:
+                return None
+            resolved = KernelSpec._trusted(values)
+            entry = bundle.find(resolved.canonical_json())
+            return None if entry is None else (None, resolved, entry)
+        if isinstance(spec, (str, os.PathLike)):
+            return _bundle_ref(os.fspath(spec))
+    except bundle.BundleError:
+        return None
+    return None
+
+
+def _bundle_ref(ref: str) -> tuple[str | None, KernelSpec, bundle.BundleEntry] | None:
+    path, name = parse_spec_ref(ref)
+    try:
+        data = paths.find_spec_file(path).read_bytes()
+    except OSError:
+        return None  # resolve_spec says what is wrong with the file
+    found = bundle.find_in_file(hashlib.sha256(data).hexdigest(), name)
+    if found is None:
+        return None
+    name, entry = found
+    spec = trusted_spec(entry.spec_json)
+    return None if spec is None else (name, spec, entry)
 
 
 def _kernel(spec: KernelSpec, name: str | None, force: bool, target: str | None = None):

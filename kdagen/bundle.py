@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ __all__ = [
     "write_bundle",
     "registered",
     "find",
+    "find_in_file",
     "host_target",
     "unregister_all",
 ]
@@ -163,6 +164,8 @@ class Bundle:
     root: Path
     manifest: dict[str, Any]
     entries: dict[str, BundleEntry]
+    # {sha256 of a spec file's bytes: {variant name: canonical spec JSON}} for the files it was built from
+    spec_files: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def targets(self) -> list[str]:
@@ -254,6 +257,17 @@ def _entries(root: Path, manifest: dict[str, Any]) -> dict[str, BundleEntry]:
     return out
 
 
+def _spec_files(root: Path, manifest: dict[str, Any]) -> dict[str, dict[str, str]]:
+    files = manifest.get("spec_files", [])
+    try:
+        out = {f["sha256"]: {str(n): str(j) for n, j in f["variants"].items()} for f in files}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BundleError(
+            f"{root / MANIFEST_NAME}: 'spec_files' is malformed ({type(e).__name__}: {e})"
+        ) from e
+    return out
+
+
 # -- registration -----------------------------------------------------------------------------------------
 
 _registered: list[Bundle] = []
@@ -275,7 +289,7 @@ def load_bundle(directory: str | os.PathLike[str], verify: bool = False) -> Bund
     _check_format(root, manifest)
     _check_toolchain(root, manifest)
     entries = _entries(root, manifest)
-    bundle = Bundle(root, manifest, entries)
+    bundle = Bundle(root, manifest, entries, _spec_files(root, manifest))
     _check_target(root, bundle.targets, host_target())
     if verify:
         for entry in entries.values():
@@ -330,6 +344,31 @@ def find(canonical_json: str) -> BundleEntry | None:
             _check_entry_target(entry)
             return entry
     return None
+
+
+def find_in_file(file_sha256: str, name: str | None) -> tuple[str, BundleEntry] | None:
+    """(variant name, entry) of the variant `name` of a spec file whose bytes have sha256 `file_sha256`, where
+    a registered bundle was built from that file and holds the variant; None otherwise. Without a name the
+    file must hold exactly one variant.
+
+    The same bytes give the same variants under the same kdagen (the manifest's version is this one's), so
+    a reference is resolved without reading the YAML or validating the spec. Reads ``KDAGEN_BUNDLE`` first
+    if it has not been read yet.
+    """
+    _load_env_once()
+    for b in _registered:
+        variants = b.spec_files.get(file_sha256)
+        if variants is not None:
+            break  # the same bytes give the same variants in every bundle
+    else:
+        return None
+    if name is None:
+        if len(variants) != 1:
+            return None
+        (name,) = variants
+    spec_json = variants.get(name)
+    entry = None if spec_json is None else find(spec_json)
+    return None if entry is None else (name, entry)
 
 
 def _check_entry_target(entry: BundleEntry) -> None:
@@ -418,7 +457,19 @@ def _merge(shipped: Iterable[Shipped]) -> list[Shipped]:
     return list(by_key.values())
 
 
-def _manifest(variants: list[dict[str, Any]]) -> dict[str, Any]:
+def _spec_file_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """{sha256 of the file's bytes, {variant name: canonical spec JSON}} of every variant of a spec file."""
+    from kdagen.spec import load_spec_file
+
+    found = paths.find_spec_file(path)
+    variants = load_spec_file(path)
+    return {
+        "sha256": sha256_file(found),
+        "variants": {name: spec.canonical_json() for name, spec in variants.items()},
+    }
+
+
+def _manifest(variants: list[dict[str, Any]], spec_files: list[dict[str, Any]]) -> dict[str, Any]:
     from kdagen.compile import c_compiler_identity
     from kdagen.keys import toolchain_fingerprint
 
@@ -436,6 +487,7 @@ def _manifest(variants: list[dict[str, Any]]) -> dict[str, Any]:
         "c_compiler": c_compiler_identity(),
         "targets": sorted({v["target"] for v in variants}),
         "variants": [{k: v[k] for k in v if k != "toolchain"} for v in variants],
+        "spec_files": spec_files,
     }
 
 
@@ -446,8 +498,16 @@ def _is_replaceable(dest: Path) -> bool:
     return dest.is_dir() and ((dest / MANIFEST_NAME).is_file() or not any(dest.iterdir()))
 
 
-def write_bundle(dest: str | os.PathLike[str], shipped: Sequence[Shipped]) -> Path:
+def write_bundle(
+    dest: str | os.PathLike[str],
+    shipped: Sequence[Shipped],
+    spec_files: Sequence[str | os.PathLike[str]] = (),
+) -> Path:
     """Write the variants of `shipped` as a bundle at `dest`; returns the manifest's path.
+
+    `spec_files` (the files the variants come from) are recorded by their bytes' sha256 with their
+    variants' spec JSON, so that a serving host resolves ``"file.yaml:name"`` with the same bytes without
+    reading the YAML (`find_in_file`).
 
     The bundle is made in a temp directory beside `dest` (manifest last) and renamed into place, so a
     reader sees the old bundle or the new one, never a half-written one (between the two renames, for a
@@ -463,7 +523,8 @@ def write_bundle(dest: str | os.PathLike[str], shipped: Sequence[Shipped]) -> Pa
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
     try:
         variants = [_variant_record(tmp, s) for s in _merge(shipped)]
-        text = json.dumps(_manifest(variants), indent=2, sort_keys=True) + "\n"
+        files = [_spec_file_record(f) for f in dict.fromkeys(spec_files)]
+        text = json.dumps(_manifest(variants, files), indent=2, sort_keys=True) + "\n"
         (tmp / MANIFEST_NAME).write_text(text)  # last: the bundle's commit marker
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a bundle is read by the serving user
         _swap_in(tmp, dest)

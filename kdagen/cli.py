@@ -213,13 +213,13 @@ def build(
         sys.exit(1)
     if bundle_dir is not None:
         built = [(name, results[ref]) for (_, name, _), ref in zip(selected, refs)]
-        _write_bundle(bundle_dir, built, console)
+        _write_bundle(bundle_dir, built, [path for path, _, _ in selected], console)
 
 
-def _write_bundle(dest: Path, built: list[tuple[str, Any]], console: Console) -> None:
+def _write_bundle(dest: Path, built: list[tuple[str, Any]], spec_files: list[str], console: Console) -> None:
     from kdagen.bundle import Shipped, write_bundle
 
-    manifest = write_bundle(dest, [Shipped((name,), result) for name, result in built])
+    manifest = write_bundle(dest, [Shipped((name,), result) for name, result in built], spec_files)
     data = json.loads(manifest.read_text())
     size = sum(f["bytes"] for v in data["variants"] for f in v["files"].values())
     console.print(

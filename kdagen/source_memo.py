@@ -21,8 +21,6 @@ import importlib.metadata as md
 import json
 from pathlib import Path
 
-import pydantic
-
 from kdagen import paths
 from kdagen.files import tree_digest, write_atomic
 from kdagen.version import __version__
@@ -34,10 +32,10 @@ _FORMAT = 1  # bump when the memo's content changes meaning
 
 
 @functools.cache
-def _jinja_version() -> str:
-    # From metadata, not `import jinja2`: not importing it is the point of the memo.
+def _version(package: str) -> str:
+    # From metadata, not an import: not importing Jinja (nor pydantic) is the point of the memo.
     try:
-        return md.version("jinja2")
+        return md.version(package)
     except md.PackageNotFoundError:
         return "none"
 
@@ -47,8 +45,10 @@ def generator_digest(templates: Path | None = None, package: Path | None = None)
 
     Read afresh on every call (about a millisecond): a long-lived process that edits a template sees the edit.
     """
-    # pydantic too: templates print spec fields as its models hold them (imported already, by the spec).
-    versions = f"kdagen {__version__}; jinja2 {_jinja_version()}; pydantic {pydantic.VERSION}; memo {_FORMAT}"
+    # pydantic too: templates print spec fields as its model validates them (`kdagen.spec_model`).
+    versions = (
+        f"kdagen {__version__}; jinja2 {_version('jinja2')}; pydantic {_version('pydantic')}; memo {_FORMAT}"
+    )
     h = hashlib.sha256(versions.encode() + b"\n")
     h.update(b"package\n")
     tree_digest(h, package or paths.package_dir(), "*.py")

@@ -1,7 +1,10 @@
-"""The KDA forward spec: the pydantic model, spec files, validation with readable messages, canonical JSON,
-digest and slug.
+"""The KDA forward spec: its fields, spec files, validation with readable messages, canonical JSON, digest
+and slug.
 
 No cutlass and no torch here: a spec is plain data that can be loaded, checked, hashed and pickled anywhere.
+`KernelSpec` is a plain frozen class; its fields are checked by a pydantic model (`kdagen.spec_model`) that is
+imported when a spec is validated, and spec files are read with PyYAML, imported when a file is read. A spec
+found in a bundle needs neither (`plain_values`, `trusted_spec`).
 
 Two levels of checks:
 
@@ -18,18 +21,17 @@ Every message names where the value came from, the variant and the field, one pr
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
+import math
 import os
 import re
 import string
+from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from typing import Any, Literal, get_args
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from typing import Any, ClassVar, Literal, get_args
 
 from kdagen import arch as _arch
 from kdagen import paths
@@ -42,6 +44,11 @@ __all__ = [
     "resolve_spec",
     "validate_capabilities",
     "parse_spec_ref",
+    "FIELDS",
+    "SpecField",
+    "plain_values",
+    "canonical_json_of",
+    "trusted_spec",
     "SAFE_LOWER_BOUND_MIN",
 ]
 
@@ -63,92 +70,123 @@ SAFE_LOWER_BOUND_MIN = -5.0
 # Options left out of the canonical JSON at these values (`KernelSpec.canonical_json`).
 _IMPLIED: dict[str, Any] = {"beta": "prob"}
 _NOT_IMPLIED = object()
+_REQUIRED = object()  # the default of a field that has none
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _TOP_KEYS = ("description", "defaults", "variants")
 
 
-def _rule(field: str, message: str) -> PydanticCustomError:
-    # A cross-field rule is reported on the field the user has to change; the formatter reads ctx["field"].
-    return PydanticCustomError("spec_rule", "{message}", {"field": field, "message": message})
+@dataclass(frozen=True)
+class SpecField:
+    """One field of `KernelSpec`: its type (for a ``Literal``, the values it takes) and its default."""
+
+    annotation: Any
+    default: Any = _REQUIRED
+
+    def is_required(self) -> bool:
+        return self.default is _REQUIRED
 
 
-class KernelSpec(BaseModel):
+# The fields of a spec, in order. `kdagen.spec_model.KernelSpecModel` declares the same and checks them.
+FIELDS: dict[str, SpecField] = {
+    "arch": SpecField(Arch),
+    "family": SpecField(Family, "auto"),
+    "head_dim_k": SpecField(HeadDim, 128),
+    "head_dim_v": SpecField(HeadDim, 128),
+    "chunk_size": SpecField(int, 16),
+    "gva_ratio": SpecField(GvaRatio, 1),
+    "gate": SpecField(Gate, "lower_bound"),
+    "lower_bound": SpecField(float | None, -5.0),
+    "safe_gate": SpecField(bool, True),
+    "l2norm_qk": SpecField(bool, True),
+    "dtype": SpecField(IODtype, "bf16"),
+    "g_dtype": SpecField(AuxDtype, "fp32"),
+    "beta_dtype": SpecField(AuxDtype, "fp32"),
+    "beta": SpecField(BetaMode, "prob"),  # beta as given, sigmoid(beta) or 2 sigmoid(beta) (kda-math §1.1)
+    "state_dtype": SpecField(StateDtype, "fp32"),
+    "state_layout": SpecField(StateLayout, "kv"),
+}
+
+
+class KernelSpec:
     """One KDA forward variant. Frozen, hashable, picklable; unknown fields are errors.
 
-    Constructing one with a bad value raises `SpecError` (not pydantic's `ValidationError`) whose message
-    names the field, e.g. ``KernelSpec: field 'gva_ratio': expected one of 1, 2, 4, 8, got 3``.
+    Constructing one validates its fields with the pydantic model of `kdagen.spec_model` (imported then), and
+    a bad value raises `SpecError` (not pydantic's `ValidationError`) whose message names the field, e.g.
+    ``KernelSpec: field 'gva_ratio': expected one of 1, 2, 4, 8, got 3``. The instance itself is plain
+    Python: a spec found in a bundle (`_trusted`) needs no pydantic.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    __slots__ = (*FIELDS, "_json")
+    model_fields: ClassVar[dict[str, SpecField]] = FIELDS
 
     arch: Arch
-    family: Family = "auto"
-    head_dim_k: HeadDim = 128
-    head_dim_v: HeadDim = 128
-    chunk_size: int = 16
-    gva_ratio: GvaRatio = 1
-    gate: Gate = "lower_bound"
-    lower_bound: float | None = Field(default=-5.0, allow_inf_nan=False)
-    safe_gate: bool = True
-    l2norm_qk: bool = True
-    dtype: IODtype = "bf16"
-    g_dtype: AuxDtype = "fp32"
-    beta_dtype: AuxDtype = "fp32"
-    beta: BetaMode = "prob"  # beta as given, sigmoid(beta) or 2 sigmoid(beta) (kda-math §1.1)
-    state_dtype: StateDtype = "fp32"
-    state_layout: StateLayout = "kv"
+    family: Family
+    head_dim_k: HeadDim
+    head_dim_v: HeadDim
+    chunk_size: int
+    gva_ratio: GvaRatio
+    gate: Gate
+    lower_bound: float | None
+    safe_gate: bool
+    l2norm_qk: bool
+    dtype: IODtype
+    g_dtype: AuxDtype
+    beta_dtype: AuxDtype
+    beta: BetaMode
+    state_dtype: StateDtype
+    state_layout: StateLayout
 
     def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise _spec_error(_describe_all(e), source="KernelSpec", variant=None) from None
+        from kdagen.spec_model import validate  # pydantic: only when a spec is validated
 
-    # -- validation -------------------------------------------------------------------------------------
+        self._fill(validate(data))
 
-    @field_validator("head_dim_k", "head_dim_v", "gva_ratio", mode="before")
     @classmethod
-    def _no_bool(cls, v: Any) -> Any:
-        # Literal[1, 2, ...] would accept True as 1; a boolean here is always a typo.
-        if isinstance(v, bool):
-            raise PydanticCustomError("bool_for_int", "expected an integer, got a boolean")
-        return v
+    def _trusted(cls, values: dict[str, Any]) -> KernelSpec:
+        """A spec of values that passed validation already (every field, as the model holds them), e.g.
+        those of a spec a bundle was built from; nothing is checked."""
+        spec = object.__new__(cls)
+        spec._fill(values)
+        return spec
 
-    @field_validator("chunk_size")
-    @classmethod
-    def _chunk_size(cls, v: int) -> int:
-        # The kernels step CHUNK tokens at a time; no other chunk size is built.
-        if v != _arch.CHUNK:
-            message = f"expected {_arch.CHUNK} (tokens per recurrence step, the only size built), got {v}"
-            raise PydanticCustomError("spec_rule", "{message}", {"message": message})
-        return v
+    def _fill(self, values: dict[str, Any]) -> None:
+        for name in FIELDS:
+            object.__setattr__(self, name, values[name])
+        object.__setattr__(self, "_json", None)
 
-    @model_validator(mode="after")
-    def _gate_rules(self) -> KernelSpec:
-        lb = self.lower_bound
-        if self.gate == "softplus" and (lb is not None or self.safe_gate):
-            # Name both fields at once: the defaults (lower_bound -5, safe_gate true) both need changing.
-            field = "lower_bound" if lb is not None else "safe_gate"
-            raise _rule(
-                field,
-                "gate 'softplus' is unbounded below: it needs lower_bound: null and safe_gate: false, "
-                f"got lower_bound {lb} and safe_gate {str(self.safe_gate).lower()}",
-            )
-        if self.gate == "lower_bound" and (lb is None or lb >= 0):
-            raise _rule("lower_bound", f"gate 'lower_bound' needs a float < 0, got {lb}")
-        if self.safe_gate and (lb is None or not SAFE_LOWER_BOUND_MIN <= lb < 0):
-            raise _rule(
-                "lower_bound",
-                f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND_MIN:g}, 0) "
-                f"(kda-math §2.3: a bound below -5 overflows fp32 on the diagonal tiles), got {lb}",
-            )
-        if self.gate == "precomputed" and not self.safe_gate and lb is not None:
-            raise _rule(
-                "lower_bound",
-                f"gate 'precomputed' without safe_gate has no use for lower_bound (set it to null), got {lb}",
-            )
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"KernelSpec is frozen: cannot set {name!r} (use replace)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"KernelSpec is frozen: cannot delete {name!r}")
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "KernelSpec(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in FIELDS) + ")"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle, (self.model_dump(),))
+
+    def __copy__(self) -> KernelSpec:
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KernelSpec:
+        return self
+
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        """{field: value} in field order (every value is JSON already, so `mode` changes nothing)."""
+        return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod
     def from_dict(
@@ -168,7 +206,7 @@ class KernelSpec(BaseModel):
             raise _spec_error(e.items, source=source, variant=variant) from None
 
     def replace(self, **changes: Any) -> KernelSpec:
-        """A copy with some fields changed, validated again (pydantic's `model_copy` does not validate)."""
+        """A copy with some fields changed, validated again."""
         return type(self).from_dict({**self.model_dump(), **changes}, source="KernelSpec.replace")
 
     # -- identity -----------------------------------------------------------------------------------------
@@ -176,9 +214,10 @@ class KernelSpec(BaseModel):
     def canonical_json(self) -> str:
         """Every field, sorted keys, no whitespace: the identity of the variant. A field of `_IMPLIED` at its
         value there is left out: such an option's default is the kernel without it, so the variants that do
-        not use it keep their digest, slug and generated path."""
-        data = {k: v for k, v in self.model_dump(mode="json").items() if _IMPLIED.get(k, _NOT_IMPLIED) != v}
-        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+        not use it keep their digest, slug and generated path. Computed once per instance."""
+        if self._json is None:
+            object.__setattr__(self, "_json", _canonical(self.model_dump()))
+        return self._json
 
     def digest(self) -> str:
         """sha256 hex of `canonical_json`."""
@@ -216,6 +255,84 @@ class KernelSpec(BaseModel):
         return _arch.get_arch(self.arch)
 
 
+
+def _unpickle(values: dict[str, Any]) -> KernelSpec:
+    return KernelSpec._trusted(values)
+
+
+def _canonical(values: dict[str, Any]) -> str:
+    """The canonical JSON of a spec's field values (`KernelSpec.canonical_json`, `canonical_json_of`)."""
+    data = {k: v for k, v in values.items() if _IMPLIED.get(k, _NOT_IMPLIED) != v}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _exact(field: str, value: Any) -> Any:
+    """`value` as the model holds it when the model takes it unchanged (or, for `lower_bound`, an int as a
+    float), else `_NOT_IMPLIED`: a value of the field's own type, never one it could coerce."""
+    ann = FIELDS[field].annotation
+    if field == "lower_bound":
+        if value is None:
+            return None
+        if type(value) in (int, float):
+            try:
+                x = float(value)
+            except OverflowError:
+                return _NOT_IMPLIED
+            return x if math.isfinite(x) else _NOT_IMPLIED
+        return _NOT_IMPLIED
+    if ann in (int, bool):
+        return value if type(value) is ann else _NOT_IMPLIED
+    for choice in get_args(ann):
+        if type(value) is type(choice) and value == choice:
+            return value
+    return _NOT_IMPLIED
+
+
+def plain_values(data: Any) -> dict[str, Any] | None:
+    """The field values a spec of the fields `data` holds (defaults filled in), read without pydantic, or
+    None where that needs the model: not a dict, an unknown or missing field, or a value of another type
+    than the field's own (``"128"``, ``True`` for an int, ``128.0``).
+
+    Where it gives values, they are what `KernelSpec(**data)` holds, should `data` be valid; it checks no
+    rule between fields and no capability, so the values are a lookup key (a bundle's spec JSON, which
+    only a valid spec has), not a checked spec.
+    """
+    if not isinstance(data, dict) or "arch" not in data or any(name not in FIELDS for name in data):
+        return None
+    out: dict[str, Any] = {}
+    for name, info in FIELDS.items():
+        if name in data:
+            value = _exact(name, data[name])
+            if value is _NOT_IMPLIED:
+                return None
+            out[name] = value
+        else:
+            out[name] = info.default
+    return out
+
+
+def canonical_json_of(data: Any) -> str | None:
+    """`KernelSpec(**data).canonical_json()` computed without pydantic where `plain_values` can read `data`
+    (None otherwise); for a valid `data` the two are equal."""
+    values = plain_values(data)
+    return None if values is None else _canonical(values)
+
+
+def trusted_spec(spec_json: str) -> KernelSpec | None:
+    """The spec whose canonical JSON is `spec_json`, made without validation: for the JSON of a spec that
+    passed it (a bundle's, written by the build). None where `spec_json` is no spec's canonical JSON."""
+    try:
+        data = json.loads(spec_json)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    values = plain_values({**{k: v for k, v in _IMPLIED.items() if k not in data}, **data})
+    if values is None or _canonical(values) != spec_json:
+        return None
+    return KernelSpec._trusted(values)
+
+
 def _num(x: float) -> str:
     # -5.0 -> "5", -2.5 -> "2p5": path-friendly, sign implied (bounds are negative).
     return f"{abs(x):g}".replace(".", "p").replace("-", "m")
@@ -239,56 +356,6 @@ def _kind(x: Any) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", type(None): "null"}.get(
         type(x), type(x).__name__
     )
-
-
-def _choices(field: str) -> list[Any]:
-    ann = KernelSpec.model_fields[field].annotation
-    return list(get_args(ann))
-
-
-def _fmt_choices(values: list[Any]) -> str:
-    return ", ".join(repr(v) for v in values)
-
-
-def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
-    """(field or None, message) of one pydantic error."""
-    loc = err.get("loc") or ()
-    field = str(loc[0]) if loc else None
-    ctx = err.get("ctx") or {}
-    kind = err["type"]
-    value = err.get("input")
-    if kind == "spec_rule":
-        return ctx.get("field", field), ctx["message"]
-    if kind in ("literal_error", "bool_for_int") and field in KernelSpec.model_fields:
-        choices = _choices(field)
-        msg = f"expected one of {_fmt_choices(choices)}, got {value!r}"
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-            if close:
-                msg += f" (did you mean {close[0]!r}?)"
-        return field, msg
-    if kind == "extra_forbidden":
-        close = difflib.get_close_matches(field or "", list(KernelSpec.model_fields), n=1)
-        hint = (
-            f"did you mean {close[0]!r}?" if close else "known fields: " + ", ".join(KernelSpec.model_fields)
-        )
-        return field, f"unknown field ({hint})"
-    if kind == "missing":
-        return field, "required field is missing"
-    if kind == "bool_type":
-        return field, f"expected true or false, got {value!r}"
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return field, f"expected an integer, got {value!r}"
-    if kind in ("float_type", "float_parsing"):
-        nullable = field == "lower_bound"
-        return field, f"expected a number{' or null' if nullable else ''}, got {value!r}"
-    if kind == "finite_number":
-        return field, f"expected a finite number, got {value!r}"
-    return field, f"{err['msg']}, got {value!r}"
-
-
-def _describe_all(e: ValidationError) -> list[tuple[str | None, str]]:
-    return [_describe(err) for err in e.errors(include_url=False)]
 
 
 def _spec_error(items: list[tuple[str | None, str]], *, source: str | None, variant: str | None) -> SpecError:
@@ -353,35 +420,39 @@ def load_spec_file(path: str | os.PathLike[str]) -> dict[str, KernelSpec]:
     return dict(_FILE_CACHE[ck])
 
 
-class _DuplicateKeyError(yaml.YAMLError):
-    """A key that a YAML mapping holds twice (the plain SafeLoader keeps the last one silently)."""
-
-    def __init__(self, key: Any, line: int, first: int) -> None:
-        super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a mapping key given twice, naming the key and both lines.
+@functools.cache
+def _yaml_loader() -> tuple[type, type]:
+    """(loader, duplicate-key error): `yaml.SafeLoader` that refuses a mapping key given twice, naming the
+    key and both lines (the plain SafeLoader keeps the last one silently). Built at the first spec file:
+    PyYAML is imported when a file is read, not with the package.
 
     Keys brought in by a merge (``<<: *anchor``) may be overridden by the mapping's own keys, as YAML says.
     """
+    import yaml
 
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    first = seen.get(key)
-                except TypeError:
-                    continue  # an unhashable key: the base class reports it
-                if first is not None:
-                    raise _DuplicateKeyError(key, line, first)
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
+    class DuplicateKeyError(yaml.YAMLError):
+        def __init__(self, key: Any, line: int, first: int) -> None:
+            super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        first = seen.get(key)
+                    except TypeError:
+                        continue  # an unhashable key: the base class reports it
+                    if first is not None:
+                        raise DuplicateKeyError(key, line, first)
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader, DuplicateKeyError
 
 
 def _read_text(p: Path, shown: str) -> str:
@@ -402,10 +473,13 @@ def _read_text(p: Path, shown: str) -> str:
 
 
 def _load(p: Path, shown: str) -> dict[str, KernelSpec]:
+    import yaml
+
     text = _read_text(p, shown)
+    loader, duplicate_key = _yaml_loader()
     try:
-        doc = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
-    except _DuplicateKeyError as e:
+        doc = yaml.load(text, Loader=loader)  # noqa: S506 (a SafeLoader subclass)
+    except duplicate_key as e:
         raise SpecError(f"{shown}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{shown}: invalid YAML: {e}") from None

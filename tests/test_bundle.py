@@ -26,6 +26,7 @@ import kdagen.build
 import kdagen.bundle
 import kdagen.compile
 import kdagen.runtime
+import kdagen.spec_model
 from kdagen.bundle import MANIFEST_NAME, BundleError, Shipped, write_bundle
 from kdagen.cli import cli
 from kdagen.errors import CacheMissError
@@ -87,11 +88,22 @@ def fake_build(isolated_env, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return state
 
 
-def _bundle(dest: Path, *specs: KernelSpec) -> Path:
-    """Build `specs` (faked) into the cache and write them as a bundle at `dest`; returns the bundle."""
+def _bundle(dest: Path, *specs: KernelSpec, spec_files: tuple[Path, ...] = ()) -> Path:
+    """Build `specs` (faked) into the cache and write them as a bundle at `dest`, recording `spec_files`;
+    returns the bundle."""
     shipped = [Shipped((f"v{i}",), kdagen.build.build_variant(s)) for i, s in enumerate(specs or (SPEC,))]
-    write_bundle(dest, shipped)
+    write_bundle(dest, shipped, spec_files)
     return dest
+
+
+def _no_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make resolving or validating a spec a test failure: what follows must be found without either."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the spec was resolved or validated")
+
+    monkeypatch.setattr(kdagen.build, "resolve_spec", refuse)
+    monkeypatch.setattr(kdagen.spec_model, "validate", refuse)
 
 
 def _edit_manifest(bundle: Path, **changes: Any) -> None:
@@ -195,6 +207,76 @@ def test_a_reference_resolves_to_its_spec(fake_build, tmp_path: Path, monkeypatc
     assert kernel.spec == SPEC and kernel.name == "mine"
 
 
+SPEC_FILE_TEXT = (
+    "defaults:\n  arch: sm_90a\nvariants:\n  - name: mine\n"
+    "  - name: small\n    head_dim_k: 64\n    head_dim_v: 64\n"
+)
+
+
+def test_a_reference_is_found_by_its_spec_files_bytes(fake_build, tmp_path: Path, monkeypatch):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(SPEC_FILE_TEXT)
+    bundle = _bundle(tmp_path / "b", spec_files=(spec_file,))
+    (record,) = json.loads((bundle / MANIFEST_NAME).read_text())["spec_files"]
+    assert record["sha256"] == hashlib.sha256(spec_file.read_bytes()).hexdigest()
+    assert record["variants"] == {"mine": SPEC.canonical_json(), "small": OTHER.canonical_json()}
+    kdagen.load_bundle(bundle)
+    _no_cache(monkeypatch)
+    _no_validation(monkeypatch)
+    kernel = kdagen.get_kernel(f"{spec_file}:mine")
+    assert kernel.spec == SPEC and kernel.name == "mine"
+    assert kernel.spec.canonical_json() == SPEC.canonical_json()
+
+
+def test_a_reference_to_a_variant_not_bundled_takes_the_normal_path(fake_build, tmp_path: Path):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(SPEC_FILE_TEXT)
+    kdagen.load_bundle(_bundle(tmp_path / "b", SPEC, spec_files=(spec_file,)))
+    compiles = fake_build["compiles"]
+    kernel = kdagen.get_kernel(f"{spec_file}:small")  # in the file, not in the bundle: built
+    assert kernel.spec == OTHER and fake_build["compiles"] == compiles + 1
+    with pytest.raises(kdagen.SpecError, match="no variant 'mien' .*did you mean 'mine'"):
+        kdagen.get_kernel(f"{spec_file}:mien")
+    with pytest.raises(kdagen.SpecError, match="holds 2 variants"):
+        kdagen.get_kernel(str(spec_file))
+
+
+def test_an_edited_spec_file_is_read_again(fake_build, tmp_path: Path, monkeypatch):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(SPEC_FILE_TEXT)
+    kdagen.load_bundle(_bundle(tmp_path / "b", SPEC, OTHER, spec_files=(spec_file,)))
+    _no_cache(monkeypatch)
+    # Other bytes: the file is read and validated, and the spec it gives is found by its JSON.
+    spec_file.write_text(SPEC_FILE_TEXT.replace("  - name: mine\n", "  - name: mine\n    head_dim_k: 64\n"
+                                                "    head_dim_v: 64\n"))
+    kernel = kdagen.get_kernel(f"{spec_file}:mine")
+    assert kernel.spec == OTHER and kernel.name == "mine"
+
+
+def test_a_dict_is_found_without_validation(fake_build, tmp_path: Path, monkeypatch):
+    kdagen.load_bundle(_bundle(tmp_path / "b"))
+    _no_cache(monkeypatch)
+    _no_validation(monkeypatch)
+    kernel = kdagen.get_kernel({"arch": "sm_90a", "lower_bound": -5})  # an int bound, defaults left out
+    assert kernel.spec == SPEC and kernel.name == "v0"
+    assert kdagen.get_kernel(kernel.spec) is kernel
+
+
+def test_errors_of_a_spec_not_in_the_bundle_are_unchanged(fake_build, tmp_path: Path, monkeypatch):
+    kdagen.load_bundle(_bundle(tmp_path / "b"))
+    with pytest.raises(kdagen.SpecError, match="spec dict: field 'head_dim_k': expected one of 64, 128, got"):
+        kdagen.get_kernel({"arch": "sm_90a", "head_dim_k": "128"})
+    with pytest.raises(kdagen.SpecError, match="spec dict: field 'lower_bound': safe_gate needs lower_bound"):
+        kdagen.get_kernel({"arch": "sm_90a", "lower_bound": -7.0})
+    # A bad KDAGEN_BUNDLE with a bad spec: the spec's error first, as on the normal path.
+    kdagen.bundle.unregister_all()
+    monkeypatch.setenv("KDAGEN_BUNDLE", str(tmp_path / "nowhere"))
+    with pytest.raises(kdagen.SpecError, match="lower_bound"):
+        kdagen.get_kernel({"arch": "sm_90a", "lower_bound": -7.0})
+    with pytest.raises(BundleError, match="not a kdagen bundle"):
+        kdagen.get_kernel({"arch": "sm_90a"})
+
+
 def test_force_bypasses_bundles(fake_build, tmp_path: Path):
     kdagen.load_bundle(_bundle(tmp_path / "b"))
     compiles = fake_build["compiles"]
@@ -238,6 +320,55 @@ def test_a_bad_kdagen_bundle_fails_every_get_kernel(fake_build, tmp_path: Path, 
     for _ in range(2):
         with pytest.raises(BundleError, match=f"nowhere: no {MANIFEST_NAME}, so not a kdagen bundle"):
             kdagen.get_kernel(SPEC)
+
+
+_CHILD_FAKE_LOADER = textwrap.dedent(
+    """
+    import json, sys
+    import kdagen, kdagen.compile
+    kdagen.compile.load_object = lambda path, shared=None: (lambda *args: None)  # no GPU code here
+    ref = kdagen.get_kernel({ref!r})
+    from_dict = kdagen.get_kernel({fields!r})
+    again = kdagen.get_kernel(ref.spec)
+    print("REPORT " + json.dumps({{
+        "name": ref.name, "same": from_dict is ref and again is ref, "spec_json": ref.spec.canonical_json(),
+        "modules": sorted({{m.split(".")[0] for m in sys.modules}} & {{"pydantic", "pydantic_core", "yaml",
+                                                                 "jinja2", "click", "rich"}}),
+    }}))
+    """
+)
+
+
+def test_a_bundle_hit_imports_neither_pydantic_nor_yaml_nor_jinja(tmp_path: Path):
+    """A fresh process gets a kernel by reference, by dict and by its spec from a bundle with the real
+    planner's stages (dummy files, the loader faked): nothing of the build side is imported."""
+    from kdagen.plan import make_plan
+
+    spec_file = tmp_path / "serve.yaml"
+    spec_file.write_text(SPEC_FILE_TEXT)
+    stages = make_plan(SPEC).stage_names
+    files = {}
+    (tmp_path / "b" / "sm_90a" / "v").mkdir(parents=True)
+    for stage in stages:
+        data = f"lib {stage}".encode()
+        (tmp_path / "b" / "sm_90a" / "v" / f"{stage}.so").write_bytes(data)
+        files[f"{stage}.so"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    variant = {"names": ["mine"], "spec_json": SPEC.canonical_json(), "slug": SPEC.slug(), "key": "0" * 24,
+               "target": "sm_90a", "stages": stages, "dir": "sm_90a/v", "files": files}
+    manifest = {"format": kdagen.bundle.FORMAT, "kdagen_version": kdagen.__version__,
+                "toolchain": toolchain_fingerprint(), "c_compiler": "none", "targets": ["sm_90a"],
+                "variants": [variant], "spec_files": [kdagen.bundle._spec_file_record(spec_file)]}
+    (tmp_path / "b" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    env = {**os.environ, "KDAGEN_BUNDLE": str(tmp_path / "b"), "KDAGEN_DISABLE_JIT": "1",
+           "KDAGEN_CACHE_DIR": str(tmp_path / "empty-cache"), "PYTHONPATH": str(REPO),
+           "CUDA_VISIBLE_DEVICES": ""}
+    code = _CHILD_FAKE_LOADER.format(ref=f"{spec_file}:mine", fields={"arch": "sm_90a", "lower_bound": -5})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 0, f"child failed:\n{out.stdout}\n{out.stderr}"
+    report = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")][-1][7:])
+    assert report == {"name": "mine", "same": True, "spec_json": SPEC.canonical_json(), "modules": []}
+    assert not (tmp_path / "empty-cache").exists()
 
 
 # -- refusals -----------------------------------------------------------------------------------------------
@@ -418,6 +549,7 @@ _CHILD = textwrap.dedent(
     report["type"] = type(kernel).__name__
     report["jinja2"] = sorted(m for m in sys.modules if m.split(".")[0] == "jinja2")
     report["cutlass"] = sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")
+    report["build_side"] = sorted(m for m in sys.modules if m.split(".")[0] in ("pydantic", "yaml"))
     print("REPORT " + json.dumps(report))
     """
 )
@@ -432,7 +564,7 @@ def real_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
         mp.delenv("KDAGEN_DISABLE_JIT", raising=False)
         name, spec = kdagen.resolve_spec(REF)
         built = kdagen.build.build_variant(spec, name=name)
-    write_bundle(root / "bundle", [Shipped((name,), built)])
+    write_bundle(root / "bundle", [Shipped((name,), built)], [REF.rsplit(":", 1)[0]])
     return root / "bundle"
 
 
@@ -454,6 +586,7 @@ def test_a_fresh_process_gets_a_kernel_from_a_bundle_without_jinja(real_bundle: 
     print(json.dumps(report, indent=2))
     assert report["type"] == "KDAKernel" and report["same"] is True
     assert report["jinja2"] == []  # no render
+    assert report["build_side"] == []  # the reference found by its file's bytes: no YAML, no validation
     assert report["cutlass"] == []  # the .so loads through TVM-FFI alone
     assert not (tmp_path / "empty-cache").exists()  # nothing looked up or written in the cache
     # The aim is 50 ms on a GPU host after `import torch`; this shared CPU box gets a generous bound.

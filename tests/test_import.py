@@ -1,4 +1,5 @@
-"""`import kdagen` and the CPU-side commands stay light: no cutlass, no tvm_ffi, no torch (so no CUDA init).
+"""`import kdagen` and the CPU-side commands stay light: no cutlass, no tvm_ffi, no torch (so no CUDA init),
+and `import kdagen` none of the build side (pydantic, PyYAML, Jinja, click, rich).
 
 Each check runs in a fresh interpreter: this test process may already hold those modules.
 """
@@ -14,10 +15,11 @@ HEAVY = ("cutlass", "tvm_ffi", "torch", "triton", "cuda")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _heavy_after(code: str) -> list[str]:
+def _heavy_after(code: str, tops: tuple[str, ...] = HEAVY) -> list[str]:
+    """The modules of the packages `tops` that a fresh interpreter holds after running `code`."""
     probe = (
         f"{code}\nimport json, sys\n"
-        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {tops!r})))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -56,3 +58,18 @@ def test_key_command_does_not_import_the_compiler():
         "assert r.exit_code == 0, r.output\n"
     )
     assert [m for m in _heavy_after(code) if m.split(".")[0] in ("cutlass", "tvm_ffi", "torch")] == []
+
+
+BUILD_ONLY = ("pydantic", "pydantic_core", "jinja2", "click", "rich", "yaml")
+
+
+def test_import_kdagen_leaves_the_build_side_out():
+    # The spec model (pydantic), spec files (PyYAML), the render (Jinja) and the CLI (click, rich) are
+    # imported when they are used: a serving host that gets its kernels from a bundle needs none of them.
+    assert _heavy_after("import kdagen", BUILD_ONLY) == []
+    assert _heavy_after("import kdagen.build, kdagen.bundle, kdagen.plan", BUILD_ONLY) == []
+
+
+def test_validating_a_spec_imports_the_model():
+    code = "import kdagen\nkdagen.KernelSpec(arch='sm_90a')"
+    assert {"pydantic", "pydantic_core"} <= {m.split(".")[0] for m in _heavy_after(code, BUILD_ONLY)}

@@ -554,3 +554,148 @@ def test_toolchain_fingerprint_installed():
     assert fp["apache-tvm-ffi"] is not None
     assert fp["cuda_flavour"] in ("cu12", "cu13")
     assert not any("python" in k.lower() for k in fp)
+
+
+# -- the spec JSON without pydantic (the bundle lookup) -----------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _model_json(fields: dict[str, Any]) -> str:
+    """The canonical JSON as the pydantic model gives it: the model's dump, `_IMPLIED` values left out."""
+    from kdagen import spec as spec_mod
+    from kdagen.spec_model import KernelSpecModel
+
+    dumped = KernelSpecModel(**fields).model_dump(mode="json")
+    kept = {k: v for k, v in dumped.items() if spec_mod._IMPLIED.get(k, spec_mod._NOT_IMPLIED) != v}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"))
+
+
+def _raw_variants(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every variant of a spec file as the fields the file gives (defaults, overrides, matrix values), before
+    any validation: what a user would pass as a dict."""
+    import yaml
+
+    from kdagen import spec as spec_mod
+
+    doc = yaml.safe_load(path.read_text())
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, item in enumerate(doc["variants"], 1):
+        out += spec_mod._expand(item, doc.get("defaults") or {}, str(path), i)
+    return out
+
+
+SPEC_FILES = sorted((REPO / "specs").glob("*.yaml"))
+
+
+def test_the_model_declares_the_spec_fields():
+    from kdagen.spec import FIELDS
+    from kdagen.spec_model import KernelSpecModel
+
+    model = KernelSpecModel.model_fields
+    assert list(model) == list(FIELDS)
+    for name, field in FIELDS.items():
+        assert model[name].annotation == field.annotation, name
+        assert model[name].is_required() == field.is_required(), name
+        if not field.is_required():
+            assert model[name].default == field.default, name
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.name)
+def test_plain_json_equals_the_model_json_for_every_shipped_variant(path: Path):
+    from kdagen.spec import canonical_json_of
+
+    specs = load_spec_file(path)
+    raw = _raw_variants(path)
+    assert [name for name, _ in raw] == list(specs)
+    for name, fields in raw:
+        plain = canonical_json_of(fields)
+        assert plain is not None, name  # the shipped files use each field's own type
+        assert plain == _model_json(fields) == specs[name].canonical_json(), name
+        assert canonical_json_of(specs[name].model_dump()) == plain, name
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"arch": "sm_90a"},  # every default left out
+        {"arch": "sm_90a", "beta": "prob"},  # an implied value given
+        {"arch": "sm_90a", "lower_bound": -5},  # an int bound: the model holds a float
+        {"arch": "sm_90a", "lower_bound": -2, "gate": "precomputed"},
+        {"arch": "sm_90a", "gate": "softplus", "lower_bound": None, "safe_gate": False, "beta": "logit_x2"},
+        {"arch": "sm_80", "family": "mma_sync", "head_dim_k": 64, "head_dim_v": 64, "gva_ratio": 8},
+        {"state_layout": "vk", "arch": "sm_100a", "state_dtype": "bf16", "chunk_size": 16, "dtype": "fp16"},
+        BASE.model_dump(),  # every field given
+    ],
+)
+def test_plain_json_equals_the_model_json_for_odd_valid_dicts(fields: dict[str, Any]):
+    from kdagen.spec import canonical_json_of, plain_values
+
+    assert canonical_json_of(fields) == _model_json(fields) == KernelSpec(**fields).canonical_json()
+    assert KernelSpec._trusted(plain_values(fields)) == KernelSpec(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"arch": "sm_90a", "head_dim_k": 128.0},
+        {"arch": "sm_90a", "head_dim_k": "128"},
+        {"arch": "sm_90a", "gva_ratio": True},
+        {"arch": "sm_90a", "safe_gate": 1},
+        {"arch": "sm_90a", "lower_bound": True},
+        {"arch": "sm_90a", "lower_bound": float("nan")},
+        {"arch": "sm_90a", "lower_bound": 10**400},
+        {"arch": "sm_90a", "lower_bound": "-5"},
+        {"arch": "sm_90a", "chunk_size": 16.0},
+        {"arch": "sm_90a", "gate": "lowerbound"},
+        {"arch": "sm_90a", "heads": 4},
+        {"family": "auto"},
+        {"arch": "sm_90a", 1: 2},
+        [("arch", "sm_90a")],
+    ],
+)
+def test_plain_values_leave_what_needs_the_model_to_it(fields: Any):
+    from kdagen.spec import canonical_json_of, plain_values
+
+    assert plain_values(fields) is None and canonical_json_of(fields) is None
+
+
+def test_plain_values_are_the_model_values_wherever_both_read_a_dict():
+    """Random dicts of odd and valid values: where `plain_values` reads one, the model holds the same values
+    or refuses it on a rule between fields, never on a value's type."""
+    import random
+
+    from pydantic import ValidationError
+
+    from kdagen.spec import FIELDS, plain_values
+    from kdagen.spec_model import KernelSpecModel
+
+    pools: dict[str, list[Any]] = {
+        "arch": ["sm_80", "sm_90a", "sm_100a", "sm_90", 90],
+        "lower_bound": [None, -5, -5.0, -2.5, -1, 0, 0.5, -6.0, True, "x", float("inf")],
+        "chunk_size": [16, 32, 16.0, True],
+    }
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(5000):
+        fields: dict[str, Any] = {}
+        for name, info in FIELDS.items():
+            if name != "arch" and rng.random() < 0.6:
+                continue
+            pool = pools.get(name)
+            if pool is None:
+                choices = list(get_args(info.annotation)) or [True, False]
+                pool = choices * 4 + [str(c) for c in choices] + [1, 1.0, None, True]
+            fields[name] = rng.choice(pool)
+        values = plain_values(fields)
+        if values is None:
+            continue
+        try:
+            held = KernelSpecModel(**fields).model_dump()
+        except ValidationError as e:
+            assert {err["type"] for err in e.errors()} == {"spec_rule"}, (fields, str(e))
+            continue
+        assert held == values, fields
+        assert KernelSpec(**fields).canonical_json() == KernelSpec._trusted(values).canonical_json()
+        checked += 1
+    assert checked > 100
