@@ -1,0 +1,365 @@
+"""The backward's per-tile algebra down to the call's inputs: the device code of the `bwd_grads` stage
+(templates/common/bwd_grads.py.j2; kda-math.md §8, stages 5 to 8).
+
+From a tile's products with its states (dQd, dKd, dAkt, dAq, dgt, by `bwd_tile`) back through
+P = (I + L)^-1 diag(beta), Aqk and the decays to the prepared q, k, g and beta, then through their transforms
+(l2norm and scale of q and k, the gate, beta's sigmoid) to the inputs as given. One CTA of K threads per
+(tile, q/k head), fp32 throughout, no tensor cores: every product is 16 x 16 or 16 x K. The CTA takes its
+head's value heads one after the other (GVA), summing their gradients of q and k in registers, so that the
+group sum and the l2norm's backward (which needs whole rows) stay in the CTA. Thread c owns key column c for
+the column-wise parts (the decays' cumsum and its reverse, the intra-tile products back to q and k); the
+16 x 16 matrices are shared, each thread computing a few of their entries. The decays exp(G_r - G_s) are taken
+pair by pair (s <= r, so every factor is <= 1): exact for any gate, hard resets included. The gate's
+parameters get per-tile partial sums ([tile, HV, K]) that the caller adds up in a fixed order: no float
+atomics. `kdagen.tile_grads` is the same computation in torch (its reference).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+
+from kdagen.kernels.gate import beta_value, decay, log_decay
+
+__all__ = ["GradsConfig", "grads_tile", "row_sums", "sigmoid", "softplus"]
+
+F32 = cutlass.Float32
+L2NORM_EPS = 1e-6  # as the forward's l2norm
+
+
+@dataclass(frozen=True)
+class GradsConfig:
+    """What shapes a `bwd_grads` tile's code: sizes, dtypes, the gate, beta's mode and l2norm."""
+
+    k: int  # key head dim, and the CTA's threads (one key column each)
+    bt: int  # tokens per tile
+    gva: int  # value heads per q/k head
+    dtype: Any  # q, k and their gradients (cutlass.BFloat16 or Float16)
+    g_dtype: Any  # g and its gradient
+    beta_dtype: Any  # beta and its gradient
+    gate: str  # "precomputed", "softplus" or "lower_bound"
+    lower_bound: float | None
+    beta: str  # how beta is given: "prob", "logit" or "logit_x2"
+    l2norm: bool
+
+    @property
+    def pairs(self) -> int:
+        # entries of a 16 x 16 matrix a thread
+        return self.bt * self.bt // self.k
+
+
+@cute.jit
+def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, warps: cutlass.Constexpr):
+    # vals[i] (n values a thread) -> their sums over the CTA's threads, in every thread: warp sums by
+    # shuffles, then the warps' partial sums in a fixed order (the same bits every run).
+    warp = tidx // 32
+    for i in cutlass.range_constexpr(n):
+        s = cute.arch.warp_reduction_sum(vals[i])
+        if tidx % 32 == 0:
+            sRed[warp, i] = s
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(n):
+        t = F32(0.0)
+        for w in cutlass.range_constexpr(warps):
+            t = t + sRed[w, i]
+        vals[i] = t
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + cute.math.exp(-x))
+
+
+@cute.jit
+def softplus(y):
+    # max(y, 0) + log(1 + e^-|y|): exact in both tails (as the forward's gate)
+    return cutlass.max(y, 0.0) + cute.math.log(1.0 + cute.math.exp(-cute.math.absf(y)))
+
+
+@cute.jit
+def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDq, mDk,
+               mDg, mDbeta, mDaLog, mDdt, scale, tile, h, t0, rows, tidx):
+    """Tile `tile` (its rows t0 .. t0 + rows) and q/k head h, by the CTA's K threads (`tidx` = key column).
+    The gate's tensors (mALog, mDt, mDaLog, mDdt) are None for a precomputed gate."""
+    smem = cutlass.memory.SmemAllocator()
+    # Token rows of K columns, padded by one so that 16 threads reading one column of 16 rows hit 16 banks.
+    rows_k = cute.make_layout((cfg.bt, cfg.k), stride=(cfg.k + 1, 1))
+    sQ = smem.allocate_tensor(F32, rows_k, 16)  # prepared q (normalised, scaled)
+    sK = smem.allocate_tensor(F32, rows_k, 16)  # prepared k (normalised)
+    sG = smem.allocate_tensor(F32, rows_k, 16)  # the tile-local inclusive cumsum of the log decay
+    sKg = smem.allocate_tensor(F32, rows_k, 16)  # k exp(G_last - G)
+    sDakt = smem.allocate_tensor(F32, rows_k, 16)
+    mat = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt + 1, 1))
+    sAqk = smem.allocate_tensor(F32, mat, 16)  # (Q K^T) masked by the pairwise decays, lower incl.
+    sAkk = smem.allocate_tensor(F32, mat, 16)
+    sT = smem.allocate_tensor(F32, mat, 16)  # (I + L)^-1
+    sP = smem.allocate_tensor(F32, mat, 16)  # (I + L)^-1 diag(beta)
+    sDaq = smem.allocate_tensor(F32, mat, 16)
+    sDP = smem.allocate_tensor(F32, mat, 16)
+    sDAqk = smem.allocate_tensor(F32, mat, 16)
+    sY = smem.allocate_tensor(F32, mat, 16)  # T^T dP diag(beta)
+    sDL = smem.allocate_tensor(F32, mat, 16)
+    sDAkk = smem.allocate_tensor(F32, mat, 16)
+    sB = smem.allocate_tensor(F32, cute.make_layout((cfg.bt,)), 16)
+    sRed = smem.allocate_tensor(F32, cute.make_layout((cfg.k // 32, 2 * cfg.bt), stride=(2 * cfg.bt, 1)), 16)
+    # 1/|q_r|, 1/|k_r|
+    sNorm = smem.allocate_tensor(F32, cute.make_layout((2, cfg.bt), stride=(cfg.bt, 1)), 16)
+    c = tidx
+
+    # ---- q and k of the head, normalised once for its value heads (rows past the tile's end are zero) ----
+    # Loads past the tile's rows read the last token (in bounds) and are replaced by zero: no branch around a
+    # load, so the compiler issues a loop's loads together instead of waiting on each.
+    last = mQ.shape[0] - 1
+    sums = cute.make_rmem_tensor(cute.make_layout((2 * cfg.bt,)), F32)
+    for r in cutlass.range_constexpr(cfg.bt):
+        tr = cutlass.min(t0 + r, last)
+        x_q = cutlass.select_(r < rows, mQ[tr, h, c].to(F32), F32(0.0))
+        x_k = cutlass.select_(r < rows, mK[tr, h, c].to(F32), F32(0.0))
+        sQ[r, c] = x_q
+        sK[r, c] = x_k
+        sums[r] = x_q * x_q
+        sums[cfg.bt + r] = x_k * x_k
+    if cutlass.const_expr(cfg.l2norm):
+        row_sums(sums, sRed, tidx, 2 * cfg.bt, cfg.k // 32)
+    for r in cutlass.range_constexpr(cfg.bt):
+        n_q = F32(1.0)
+        n_k = F32(1.0)
+        if cutlass.const_expr(cfg.l2norm):
+            n_q = cute.math.rsqrt(sums[r] + L2NORM_EPS)
+            n_k = cute.math.rsqrt(sums[cfg.bt + r] + L2NORM_EPS)
+        if tidx == 0:
+            sNorm[0, r] = n_q
+            sNorm[1, r] = n_k
+        sQ[r, c] = sQ[r, c] * n_q * scale
+        sK[r, c] = sK[r, c] * n_k
+
+    # ---- each value head of the group: its gradients of q and k summed, of g and beta written ----
+    acc_q = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    acc_k = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    acc_q.fill(0.0)
+    acc_k.fill(0.0)
+    shared = (sQ, sK, sG, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB)
+    if cutlass.const_expr(cfg.gva > 1):
+        for j in cutlass.range(cfg.gva, unroll=1):
+            cute.arch.sync_threads()  # the previous head's reads of the shared tiles are done
+            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta, mDaLog, mDdt,
+                        tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+    else:
+        for j in cutlass.range_constexpr(1):  # one value head: nothing carried across a loop
+            cute.arch.sync_threads()
+            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta, mDaLog, mDdt,
+                        tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+
+    # ---- back through the scale and the l2norm: dx = (dy - y (y . dy)) / |x|, y = x / |x| ----
+    cute.arch.sync_threads()
+    for r in cutlass.range_constexpr(cfg.bt):
+        acc_q[r] = acc_q[r] * scale
+    if cutlass.const_expr(cfg.l2norm):
+        inv_scale = 1.0 / scale
+        for r in cutlass.range_constexpr(cfg.bt):
+            sums[r] = sQ[r, c] * inv_scale * acc_q[r]
+            sums[cfg.bt + r] = sK[r, c] * acc_k[r]
+        row_sums(sums, sRed, tidx, 2 * cfg.bt, cfg.k // 32)
+        for r in cutlass.range_constexpr(cfg.bt):
+            acc_q[r] = sNorm[0, r] * (acc_q[r] - sQ[r, c] * inv_scale * sums[r])
+            acc_k[r] = sNorm[1, r] * (acc_k[r] - sK[r, c] * sums[cfg.bt + r])
+    for r in cutlass.range_constexpr(cfg.bt):
+        if r < rows:
+            mDq[t0 + r, h, c] = acc_q[r].to(cfg.dtype)
+            mDk[t0 + r, h, c] = acc_k[r].to(cfg.dtype)
+
+
+@cute.jit
+def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta,
+                mDaLog, mDdt, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
+    # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
+    # gate's parameters' partial sums) written.
+    sQ, sK, sG, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
+    c = tidx
+    a_scale = F32(1.0)
+    dt = F32(0.0)
+    if cutlass.const_expr(cfg.gate != "precomputed"):
+        a_scale = cute.math.exp(mALog[hv])
+        dt = mDt[hv, c]
+    # ---- the value head's decays (cumsum of the log decay in the tile), dAkt, dAq and beta ----
+    rG = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    acc = F32(0.0)
+    for r in cutlass.range_constexpr(cfg.bt):
+        tr = cutlass.min(t0 + r, last)
+        g_r = log_decay(mG[tr, hv, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound)
+        x_g = cutlass.select_(r < rows, g_r, F32(0.0))
+        x_a = cutlass.select_(r < rows, mDakt[tr, hv, c], F32(0.0))
+        acc = acc + x_g
+        rG[r] = acc
+        sG[r, c] = acc
+        sDakt[r, c] = x_a
+    g_last = acc
+    for r in cutlass.range_constexpr(cfg.bt):
+        sKg[r, c] = sK[r, c] * decay(g_last - rG[r])
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        sDaq[r, e % cfg.bt] = cutlass.select_(r < rows, mDaq[cutlass.min(t0 + r, last), hv, e % cfg.bt],
+                                              F32(0.0))
+    if tidx < cfg.bt:
+        b = F32(0.0)
+        if tidx < rows:
+            b = beta_value(mBeta[t0 + tidx, hv].to(F32), cfg.beta)
+        sB[tidx] = b
+    cute.arch.sync_threads()
+
+    # ---- Aqk and Akk (lower triangles incl. the diagonal): sums over the keys of the decayed products ----
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        s = e % cfg.bt
+        a_qk = F32(0.0)
+        a_kk = F32(0.0)
+        if s <= r:
+            for kk in cutlass.range(cfg.k, unroll=4):
+                w = sK[s, kk] * decay(sG[r, kk] - sG[s, kk])
+                a_qk = a_qk + sQ[r, kk] * w
+                a_kk = a_kk + sK[r, kk] * w
+        sAqk[r, s] = a_qk
+        sAkk[r, s] = a_kk
+    cute.arch.sync_threads()
+
+    # ---- T = (I + L)^-1, L = the strict lower triangle of diag(beta) Akk: thread c < 16 solves column c ----
+    if tidx < cfg.bt:
+        rT = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+        for r in cutlass.range_constexpr(cfg.bt):
+            x = F32(0.0)
+            if r == c:
+                x = F32(1.0)
+            for j in cutlass.range_constexpr(r):
+                x = x - sB[r] * sAkk[r, j] * rT[j]
+            rT[r] = x
+            sT[r, c] = x
+            sP[r, c] = x * sB[c]
+    cute.arch.sync_threads()
+
+    # ---- dP = Aqk^T dAq + Kg dAkt^T and dAqk = dAq P^T, lower triangles (no upper entry reaches a result)
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        s = e % cfg.bt
+        d_p = F32(0.0)
+        d_aqk = F32(0.0)
+        if s <= r:
+            for i in cutlass.range_constexpr(cfg.bt):
+                d_p = d_p + sAqk[i, r] * sDaq[i, s]
+                d_aqk = d_aqk + sDaq[r, i] * sP[s, i]
+            for kk in cutlass.range(cfg.k, unroll=4):
+                d_p = d_p + sKg[r, kk] * sDakt[s, kk]
+        sDP[r, s] = d_p
+        sDAqk[r, s] = d_aqk
+    cute.arch.sync_threads()
+
+    # ---- through the inverse: Y = T^T dP diag(beta), dL = -Y T^T (strict lower), dbeta from A's columns ----
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        s = e % cfg.bt
+        y = F32(0.0)
+        for i in cutlass.range_constexpr(cfg.bt):
+            y = y + sT[i, r] * sDP[i, s]
+        sY[r, s] = y * sB[s]
+    db = F32(0.0)
+    if tidx < cfg.bt:
+        for i in cutlass.range_constexpr(cfg.bt):
+            db = db + sDP[i, c] * sT[i, c]
+    cute.arch.sync_threads()
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        s = e % cfg.bt
+        d_l = F32(0.0)
+        if s < r:
+            for i in cutlass.range_constexpr(cfg.bt):
+                d_l = d_l - sY[r, i] * sT[s, i]
+        sDL[r, s] = d_l
+        sDAkk[r, s] = d_l * sB[r]
+    cute.arch.sync_threads()
+    # ... and from L's rows (dbeta_r += sum_s dL_rs Akk_rs), then through beta's transform
+    if tidx < cfg.bt:
+        for i in cutlass.range_constexpr(cfg.bt):
+            db = db + sDL[c, i] * sAkk[c, i]
+        if tidx < rows:
+            if cutlass.const_expr(cfg.beta != "prob"):
+                sg = sigmoid(mBeta[t0 + tidx, hv].to(F32))
+                db = db * sg * (1.0 - sg)
+                if cutlass.const_expr(cfg.beta == "logit_x2"):
+                    db = db * 2.0
+            mDbeta[t0 + tidx, hv] = db.to(cfg.beta_dtype)
+
+    # ---- column c: the intra-tile products back to q, k and the decays ----
+    # q and k of this column are read from shared memory where used (fewer registers: more CTAs an SM).
+    rdq = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dq_row
+    rdk = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_row
+    rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col
+    rdq.fill(0.0)
+    rdk.fill(0.0)
+    rdc.fill(0.0)
+    for r in cutlass.range_constexpr(cfg.bt):
+        for s in cutlass.range_constexpr(r + 1):
+            w = decay(rG[r] - rG[s])
+            a = sDAqk[r, s]
+            b = sDAkk[r, s]
+            k_s = sK[s, c] * w
+            rdq[r] = rdq[r] + a * k_s
+            rdk[r] = rdk[r] + b * k_s
+            rdc[s] = rdc[s] + (a * sQ[r, c] + b * sK[r, c]) * w
+    d_last = mDgt[tile, hv, c] * decay(g_last)  # exp(G_last) on the state
+    for r in cutlass.range_constexpr(cfg.bt):
+        tr = cutlass.min(t0 + r, last)
+        x_qd = cutlass.select_(r < rows, mDqd[tr, hv, c], F32(0.0))
+        x_kd = cutlass.select_(r < rows, mDkd[tr, hv, c], F32(0.0))
+        dkg = F32(0.0)  # (P dAkt)_r, of k exp(G_last - G)
+        for i in cutlass.range_constexpr(cfg.bt):
+            dkg = dkg + sP[r, i] * sDakt[i, c]
+        eg = decay(rG[r])
+        kg = sKg[r, c]
+        q_eg = x_qd * eg
+        k_eg = x_kd * eg
+        acc_q[r] = acc_q[r] + q_eg + rdq[r]
+        acc_k[r] = acc_k[r] + rdk[r] + rdc[r] + k_eg + dkg * decay(g_last - rG[r])
+        # dG_r, kept in rdq (its dq_row is spent)
+        q_r = sQ[r, c]
+        k_r = sK[r, c]
+        rdq[r] = q_r * rdq[r] + k_r * (rdk[r] - rdc[r]) + k_eg * k_r + q_eg * q_r - dkg * kg
+        d_last = d_last + dkg * kg
+    rdq[cfg.bt - 1] = rdq[cfg.bt - 1] + d_last
+
+    # ---- dg: the reverse cumsum of dG, then through the gate ----
+    acc = F32(0.0)
+    d_alog = F32(0.0)
+    d_dt = F32(0.0)
+    for i in cutlass.range_constexpr(cfg.bt):
+        r = cfg.bt - 1 - i
+        acc = acc + rdq[r]
+        if cutlass.const_expr(cfg.gate == "precomputed"):
+            if r < rows:
+                mDg[t0 + r, hv, c] = acc.to(cfg.g_dtype)
+        elif cutlass.const_expr(cfg.gate == "lower_bound"):
+            # g = lb sigmoid(z), z = a (x + dt); rows past the tile's end add nothing
+            z = a_scale * (mG[cutlass.min(t0 + r, last), hv, c].to(F32) + dt)
+            sg = sigmoid(z)
+            dz = cutlass.select_(r < rows, acc * (cfg.lower_bound * sg * (1.0 - sg)), F32(0.0))
+            d_dt = d_dt + dz * a_scale
+            d_alog = d_alog + dz * z
+            if r < rows:
+                mDg[t0 + r, hv, c] = (dz * a_scale).to(cfg.g_dtype)
+        else:
+            # g = -a softplus(y), y = x + dt; rows past the tile's end add nothing
+            y = mG[cutlass.min(t0 + r, last), hv, c].to(F32) + dt
+            d_y = cutlass.select_(r < rows, -acc * a_scale, F32(0.0))
+            dx = d_y * sigmoid(y)
+            d_dt = d_dt + dx
+            d_alog = d_alog + d_y * softplus(y)
+            if r < rows:
+                mDg[t0 + r, hv, c] = dx.to(cfg.g_dtype)
+    if cutlass.const_expr(cfg.gate != "precomputed"):
+        mDaLog[tile, hv, c] = d_alog
+        mDdt[tile, hv, c] = d_dt
