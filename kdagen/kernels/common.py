@@ -31,6 +31,7 @@ __all__ = [
     "zero_padding_tail",
     "find_run",
     "seq_of_slice",
+    "tile_rows",
     "fused_mode",
     "mma_input",
     "load_step",
@@ -298,6 +299,18 @@ def find_run(mCu: cute.Tensor, unit: cutlass.Int32, slot: cutlass.Int32) -> cutl
         else:
             hi = mid
     return lo
+
+
+@cute.jit
+def tile_rows(mCu: cute.Tensor, bt: cutlass.Constexpr, tile: cutlass.Int32):
+    # Tile `tile` of the map tile = floor(bos / bt) + seq + step (prepare's, the scans' and the backward's):
+    # (its first token t0, its rows: at most bt, <= 0 where no sequence has this tile id, and its sequence's
+    # first token bos: t0 < bos also means none).
+    seq = find_run(mCu, bt, tile)
+    bos = mCu[seq]
+    t0 = bos + (tile - (bos // bt + seq)) * bt
+    rows = cutlass.min(mCu[seq + 1] - t0, bt)
+    return t0, rows, bos
 
 
 @cute.jit
