@@ -28,9 +28,9 @@ DECODE_SMEM_EXTRA = 4096
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
-# CTAs an SM the backward's bwd_grads stage is compiled for (its registers capped to fit them): at 178
-# registers and two CTAs an SM it was latency-bound (12.5% occupancy; docs/experiments.md, "Backward: the
-# tile algebra as a stage").
+# CTAs an SM the backward's bwd_grads stage is compiled for (its registers capped to fit them): its phases
+# are latency-bound, and uncapped (178 registers) two CTAs fit (docs/experiments.md, "Backward: the tile
+# algebra as a stage").
 BWD_GRADS_CTAS = 4
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
