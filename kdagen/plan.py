@@ -28,10 +28,10 @@ DECODE_SMEM_EXTRA = 4096
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
-# CTAs an SM the backward's bwd_grads stage is compiled for (its registers capped to fit them): its phases
-# are latency-bound, and uncapped (178 registers) two CTAs fit (docs/experiments.md, "Backward: the tile
-# algebra as a stage").
-BWD_GRADS_CTAS = 4
+# The fewest registers a thread the backward's bwd_grads stage is capped to (`_bwd_grads_ctas`): its phases
+# are latency-bound, so it runs as many CTAs an SM as its shared memory allows, down to this; uncapped it
+# takes 178 at K = 128 and two CTAs fit (docs/experiments.md, "Backward: the tile algebra as a stage").
+BWD_GRADS_MIN_REGS = 128
 # Most sequences the forward stage's setup kernel ranks (longest first for the recurrence's grid): it stages
 # cu_seqlens in shared memory (16 KB at this bound) and each of its threads reads all of it; past the bound
 # the runtime keeps the input order.
@@ -142,6 +142,16 @@ def _prepare_warp_smem(spec: KernelSpec) -> int:
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
     per_warp += CHUNK * 16 * nbytes(spec.g_dtype) + CHUNK * 4  # a block of g, beta
     return per_warp
+
+
+def _bwd_grads_ctas(spec: KernelSpec) -> int:
+    """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (five [16, K + 1]
+    fp32 tiles, ten [16, 17] fp32 matrices, beta, the row sums' partials and the norms, plus the driver's
+    1 KB a CTA), but no more than leave BWD_GRADS_MIN_REGS registers a thread of its K threads."""
+    k, bt = spec.head_dim_k, CHUNK
+    smem = 4 * (5 * bt * (k + 1) + 10 * bt * (bt + 1) + bt + (k // 32) * 2 * bt + 2 * bt) + 1024
+    fit = (spec.arch_info.smem_bytes_per_block + 1024) // smem
+    return max(1, min(fit, 65536 // (BWD_GRADS_MIN_REGS * k)))
 
 
 def _prepare_layout(spec: KernelSpec) -> tuple[int, int]:
@@ -455,7 +465,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "beta": spec.beta,
-            "min_ctas": BWD_GRADS_CTAS,
+            "min_ctas": _bwd_grads_ctas(spec),
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kdagen.arch import get_arch
-from kdagen.plan import _prepare_warp_smem, make_plan
+from kdagen.plan import BWD_GRADS_MIN_REGS, _prepare_warp_smem, make_plan
 from kdagen.spec import KernelSpec
 
 
@@ -225,3 +225,18 @@ def test_beta_mode_reaches_every_stage_that_loads_beta(mode: str, arch: str, fam
     assert [s.params for s in prob.stages if s.name not in loads] == [
         s.params for s in plan.stages if s.name not in loads
     ]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a"])
+@pytest.mark.parametrize("k", [64, 128])
+def test_bwd_grads_runs_as_many_ctas_as_fit(arch: str, k: int):
+    # The CTAs an SM bwd_grads is compiled for fit the target's shared memory and leave at least
+    # BWD_GRADS_MIN_REGS registers a thread; on sm_90a at K = 128 that is the measured four.
+    spec = KernelSpec(arch=arch, head_dim_k=k, head_dim_v=k)
+    ctas = {s.name: s.params for s in make_plan(spec).stages}["bwd_grads"]["min_ctas"]
+    smem = 4 * (5 * 16 * (k + 1) + 10 * 16 * 17 + 16 + (k // 32) * 32 + 32) + 1024
+    assert 1 <= ctas and ctas * smem <= get_arch(arch).smem_bytes_per_block + 1024
+    assert ctas == 1 or ctas * k * BWD_GRADS_MIN_REGS <= 65536
+    if arch == "sm_90a" and k == 128:
+        assert ctas == 4
+
