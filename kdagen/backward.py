@@ -9,10 +9,10 @@ Four parts, in order:
    the gradient of the initial states, from prepare's tiles and dO alone.
 3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
    gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
-4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and head, fp32; `kdagen.tile_grads`
-   is its torch reference): back through P, Aqk and the decays to the prepared inputs (`kdagen.reference`'s
-   `kda_gate`, `l2norm`, `kda_beta` forms), then, in torch, the GVA group sums and the l2norm's, gate's and
-   beta's backward by their closed forms (the backward op runs below autograd).
+4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and q/k head, fp32;
+   `kdagen.tile_grads.input_grads` is its torch reference): back through P, Aqk and the decays to the
+   prepared inputs, then through the l2norm, the gate and beta's transform to the inputs as given, summing
+   the GVA groups; dA_log and ddt_bias as per-tile partial sums, added up here in torch.
 
 Gradients come back in the inputs' dtypes: dq, dk, dv, dg (of the raw gate input for in-kernel gates), dbeta
 (of beta as given), dA_log, ddt_bias (the shape given), dh0 (fp32, the state layout).
@@ -68,7 +68,7 @@ def tile_states(
     zero_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward, keeping the state entering every tile: ``(o, final states [N, ...], states)``, states
-    ``[tile slots, HV, ...]`` in the spec's state layout and dtype (slots no tile uses are zero).
+    ``[tile slots, HV, ...]`` in the spec's state layout and dtype.
 
     The forward runs on a pool of ``tile slots + N`` slots: sequence n's state slot is ``slots + n`` (its
     initial state, then its final one), and a checkpoint every 16 tokens writes the state after each full
@@ -164,14 +164,14 @@ def run_backward(
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
     # bwd_grads writes the gradients of the inputs as given (q and k through the l2norm and the GVA sum, g
     # through the gate, beta through its transform); the gate's parameters get per-tile partial sums.
-    ntb = ws.tile_slots
     dq = torch.empty((total, nh, kdim), dtype=q.dtype, device=device)
     dk = torch.empty((total, nh, kdim), dtype=k.dtype, device=device)
     dg = torch.empty((total, hv, kdim), dtype=g.dtype, device=device)
     dbeta = torch.empty((total, hv), dtype=beta.dtype, device=device)
     gate_parts: tuple[torch.Tensor, ...] = ()
     if gate_args:  # unused tile ids are never written: zero so that the sums over tiles see nothing there
-        gate_parts = tuple(torch.zeros((ntb, hv, kdim), dtype=f32, device=device) for _ in range(2))
+        gate_parts = tuple(torch.zeros((ws.tile_slots, hv, kdim), dtype=f32, device=device)
+                           for _ in range(2))
     q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
