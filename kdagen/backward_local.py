@@ -2,8 +2,9 @@
 chunk of a call; and the tile map the backward's kernels share.
 
 The backward (`kdagen.backward`) takes every tile's products with its states from the `bwd_tile` stage and
-continues in `kdagen.tile_grads`; `chunk_local_backward` computes the same gradients from the states
-themselves, the reference that path is tested against (`tests/test_tile_grads.py`).
+continues in the `bwd_grads` stage (whose torch form is `kdagen.tile_grads`); `chunk_local_backward`
+computes the same gradients from the states themselves, the reference that path is tested against
+(`tests/test_tile_grads.py`).
 
 Given the state entering every 16-token tile (``h``) and the gradient of the state leaving it (``dh``), both
 computed by the backward's scans, each tile's gradients of q, k, v, g and beta depend on that tile alone
