@@ -188,14 +188,16 @@ _SIBLING_RE = re.compile(r'^\w+ = _sibling\("(\w+)"\)$', flags=re.M)
 
 
 _PREPARE_MMAS_RE = re.compile(r"\bprepare_mmas\(\s*([\w.]+)\s*\)")
+_PRODUCTS_MMAS_RE = re.compile(r"\bproducts_mmas\(\s*([\w.]+)\s*\)")
 
 
 def _expected_mmas(source: str) -> set[str]:
     """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms: its own, and
     those of `kdagen.kernels.prepare.prepare_mmas(dtype)` where it calls it (tf32 for L and Mqk, fp16 for
-    the fold, and the inputs' dtype for the Gram matrix)."""
+    the fold, and the inputs' dtype for the Gram matrix) and of `kdagen.kernels.bwd_tile.products_mmas(dtype)`
+    (that dtype)."""
     out = set()
-    atoms = _F16_ATOM_RE.findall(source)
+    atoms = _F16_ATOM_RE.findall(source) + _PRODUCTS_MMAS_RE.findall(source)
     for dtype in _PREPARE_MMAS_RE.findall(source):
         atoms += ["cutlass.Float16", dtype]
         out.add("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")

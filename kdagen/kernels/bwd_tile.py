@@ -20,7 +20,7 @@ from cutlass.cute.nvgpu import warp
 
 from kdagen.kernels.common import swizzled_rows
 
-__all__ = ["ProductsConfig", "THREADS", "WARPS", "gemm", "make_mmas", "tile_products"]
+__all__ = ["ProductsConfig", "THREADS", "WARPS", "gemm", "products_mmas", "tile_products"]
 
 WARPS = 4  # each takes a quarter of an output's columns
 THREADS = 32 * WARPS
@@ -37,7 +37,7 @@ class ProductsConfig:
     kv_layout: bool  # h is [slots, HV, K, V] if True, else [slots, HV, V, K]
 
 
-def make_mmas(dtype):
+def products_mmas(dtype):
     """The stage's two tiled MMAs: four warps side by side along N (16 columns of an output to each warp in
     turn: one ldmatrix.x4 of B per k-block), and one warp alone for the 16-column dAq."""
     op = warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16))
@@ -50,7 +50,7 @@ def make_mmas(dtype):
 def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
                   mDgt, mma4, mma1, tile, hv, t0, rows, tidx, warp_idx, lane):
     """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's THREADS threads: `mma4` is
-    `make_mmas`' four-warp MMA, `mma1` its one-warp MMA."""
+    `products_mmas`' four-warp MMA, `mma1` its one-warp MMA."""
     smem = cutlass.memory.SmemAllocator()
     sS = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.k, cfg.v), 1024)  # S (key rows)
     sD = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.v, cfg.k), 1024)  # dS^T (value rows)
