@@ -5,11 +5,13 @@ Four parts, in order:
    with a prefix-cache checkpoint every tile, so each tile's state lands in the slot of its tile id
    (`floor(bos / 16) + seq + step`, the map prepare and the recurrence share). Recomputed in the backward,
    or saved by the forward (`recompute=False`).
-2. The reverse scan of the state's gradient (`bwd_scan` stage, after `prepare`): dS leaving every tile and
-   the gradient of the initial states, from prepare's tiles and dO alone.
+2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
+   every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
+   states, from prepare's tiles and dO alone.
 3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
    gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
-4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and q/k head, fp32;
+4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and q/k head, fp32 from prepare's
+   Mqk and Akk;
    `kdagen.tile_grads.input_grads` is its torch reference): back through P, Aqk and the decays to the
    prepared inputs, then through the l2norm, the gate and beta's transform to the inputs as given, summing
    the GVA groups; dA_log and ddt_bias as per-tile partial sums, added up here in torch.
@@ -162,6 +164,8 @@ def run_backward(
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
              for name, d in (("dv", vdim), ("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
+    # Every tile's Mqk and Akk from prepare (bwd_prepare), for bwd_grads: lower triangles, the rest unread.
+    mats = torch.empty((ws.tile_slots, hv, 2, CHUNK, CHUNK), dtype=f32, device=device)
     # bwd_grads writes the gradients of the inputs as given (q and k through the l2norm and the GVA sum, g
     # through the gate, beta through its transform); the gate's parameters get per-tile partial sums.
     dq = torch.empty((total, nh, kdim), dtype=q.dtype, device=device)
@@ -174,14 +178,15 @@ def run_backward(
                            for _ in range(2))
     q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
-        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms)
+        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
+                                                        mats=mats)
         kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
         kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
                          prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()
         kernel._bwd_grads(q_c.view(total, nh, kdim), k_c.view(total, nh, kdim), g_c.view(total, hv, kdim),
                           beta_c.view(total, hv), *gate_in, prods["dqd"], prods["dkd"], prods["dakt"],
-                          prods["daq"], dgt, cu_c, dq, dk, dg, dbeta, *gate_parts, float(scale))
+                          prods["daq"], dgt, mats, cu_c, dq, dk, dg, dbeta, *gate_parts, float(scale))
 
     d_alog = d_bias = None
     if A_log is not None:

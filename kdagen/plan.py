@@ -441,6 +441,12 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
+    # The backward's prepare (templates/mma_sync/bwd_prepare.py.j2): the variant's prepare kernel, which also
+    # writes every tile's Mqk and Akk for bwd_grads (formed once, on tensor cores, instead of again there).
+    bwd_prepare = StagePlan(
+        "bwd_prepare", f"{shared}/bwd_prepare.py.j2", {**common, "gate": spec.gate},
+        note="backward: prepare, also writing every tile's intra-tile matrices (Mqk, Akk) for bwd_grads",
+    )
     # The backward's reverse state scan (templates/mma_sync/bwd_scan.py.j2): the forward recurrence's shape
     # run last step to first on prepare's tiles and dO, in every family (it has the recurrence's products).
     bwd_scan = StagePlan(
@@ -469,6 +475,6 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
-    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_scan,
-              bwd_tile, bwd_grads)
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_prepare,
+              bwd_scan, bwd_tile, bwd_grads)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

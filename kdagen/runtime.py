@@ -575,6 +575,7 @@ class KDAKernel:
         self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
+        self._bwd_prepare = stages.get("bwd_prepare")  # prepare, also writing the tiles' Mqk and Akk
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
         self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time
         self._bwd_grads = stages.get("bwd_grads")  # the backward's per-tile algebra after bwd_tile
@@ -753,12 +754,13 @@ class KDAKernel:
     def _run_prepare(self, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      gate_args: tuple[torch.Tensor, ...], cu: torch.Tensor, ws: workspace.Workspace,
                      buf: torch.Tensor, sizes: tuple[int, ...], scale: float,
-                     sms: int) -> tuple[torch.Tensor, ...]:
+                     sms: int, mats: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Prepare alone (the intra-card CP path, the backward): its per-tile intermediates carved from the
         workspace `buf` ((kd, qd, akt [T, HV, K], aq [T, HV, 16], gt [tile slots, HV, K]) and cu_seqlens
         clamped into [0, T] (the setup kernel's job on the plain path: prepare and the stages after it search
-        the offsets without clamps of their own). Launched on the current stream; returns (kd, qd, akt, aq,
-        gt, cu)."""
+        the offsets without clamps of their own). With `mats` ([tile slots, HV, 2, 16, 16] fp32, the
+        backward's) the `bwd_prepare` stage runs instead and also writes every tile's Mqk and Akk there.
+        Launched on the current stream; returns (kd, qd, akt, aq, gt, cu)."""
         bsz, seqlen, nh, hv, nseq = sizes
         total, kdim, dt = bsz * seqlen, self.spec.head_dim_k, _TORCH_DTYPE[self.spec.dtype]
         buf = buf.view(-1)
@@ -771,9 +773,12 @@ class KDAKernel:
         prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
         if gate_args:
             gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
-        self._prepare(q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
-                      beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready, float(scale),
-                      prepare_ctas, 0)
+        inputs = (q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
+                  beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready)
+        if mats is None:
+            self._prepare(*inputs, float(scale), prepare_ctas, 0)
+        else:
+            self._bwd_prepare(*inputs, mats, float(scale), prepare_ctas, 0)
         return kd, qd, akt, aq, gt, cu
 
     def __call__(

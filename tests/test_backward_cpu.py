@@ -90,7 +90,8 @@ class EmuKernel:
     def _stream_scope(self, device):
         return contextlib.nullcontext()
 
-    def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms):
+    def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms, mats=None):
+        # (bwd_grads' reference forms the tiles' Mqk and Akk itself: `mats` stays unwritten)
         return (None,) * 5 + (cu,)
 
     def _bwd_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht):
@@ -164,8 +165,8 @@ class EmuKernel:
         gated = self.spec.gate != "precomputed"
         a_log, dt_bias = rest[:2] if gated else (None, None)
         rest = rest[2:] if gated else rest
-        dqd, dkd, dakt, daq, dgt, cu, dq, dk, dg, dbeta = rest[:10]
-        parts, scale = rest[10:-1], rest[-1]
+        dqd, dkd, dakt, daq, dgt, _mats, cu, dq, dk, dg, dbeta = rest[:11]
+        parts, scale = rest[11:-1], rest[-1]
         hv, kdim = g.shape[1], g.shape[2]
         bias = None if dt_bias is None else dt_bias.reshape(hv, kdim)
         out = input_grads(self.spec, q, k, g, beta, a_log, bias, dqd, dkd, dakt, daq, dgt, cu, scale)

@@ -184,7 +184,7 @@ def _first_variant(file_name: str, arch: str) -> tuple[str, KernelSpec]:
     pytest.fail(f"no {arch} variant in specs/{file_name}")
 
 
-_SIBLING_RE = re.compile(r'^\w+ = _sibling\("(\w+)"\)$', flags=re.M)
+_SIBLING_RE = re.compile(r'^\w+ = sibling\(__name__, __file__, "(\w+)"\)$', flags=re.M)
 
 
 _PREPARE_MMAS_RE = re.compile(r"\bprepare_mmas\(\s*([\w.]+)\s*\)")

@@ -29,6 +29,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "cp_merge": "mma_sync/cp_merge.py.j2",
         "cp_segments": "mma_sync/recurrence.py.j2",
         "decode": "common/decode.py.j2",
+        "bwd_prepare": "mma_sync/bwd_prepare.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
         "bwd_tile": "mma_sync/bwd_tile.py.j2",
         "bwd_grads": "common/bwd_grads.py.j2",
@@ -69,7 +70,7 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
-                                "bwd_scan", "bwd_tile", "bwd_grads"]
+                                "bwd_prepare", "bwd_scan", "bwd_tile", "bwd_grads"]
 
 
 @pytest.mark.parametrize(

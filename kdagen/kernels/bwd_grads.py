@@ -79,8 +79,8 @@ def softplus(y):
 
 
 @cute.jit
-def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDq, mDk,
-               mDg, mDbeta, mDaLog, mDdt, scale, tile, h, t0, rows, tidx):
+def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats,
+               mDq, mDk, mDg, mDbeta, mDaLog, mDdt, scale, tile, h, t0, rows, tidx):
     """Tile `tile` (its rows t0 .. t0 + rows) and q/k head h, by the CTA's K threads (`tidx` = key column).
     The gate's tensors (mALog, mDt, mDaLog, mDdt) are None for a precomputed gate."""
     smem = cutlass.memory.SmemAllocator()
@@ -144,13 +144,13 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     if cutlass.const_expr(cfg.gva > 1):
         for j in cutlass.range(cfg.gva, unroll=1):
             cute.arch.sync_threads()  # the previous head's reads of the shared tiles are done
-            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta, mDaLog, mDdt,
-                        tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
+                        mDdt, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
     else:
         for j in cutlass.range_constexpr(1):  # one value head: nothing carried across a loop
             cute.arch.sync_threads()
-            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta, mDaLog, mDdt,
-                        tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
+                        mDdt, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
 
     # ---- back through the scale and the l2norm: dx = (dy - y (y . dy)) / |x|, y = x / |x| ----
     cute.arch.sync_threads()
@@ -172,8 +172,8 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
 
 
 @cute.jit
-def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mDg, mDbeta,
-                mDaLog, mDdt, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
+def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg,
+                mDbeta, mDaLog, mDdt, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
     # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
     # gate's parameters' partial sums) written.
     sQ, sK, sG, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
@@ -201,29 +201,17 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     for j in cutlass.range_constexpr(cfg.pairs):
         e = tidx + cfg.k * j
         r = e // cfg.bt
-        sDaq[r, e % cfg.bt] = cutlass.select_(r < rows, mDaq[cutlass.min(t0 + r, last), hv, e % cfg.bt],
-                                              F32(0.0))
+        s = e % cfg.bt
+        sDaq[r, s] = cutlass.select_(r < rows, mDaq[cutlass.min(t0 + r, last), hv, s], F32(0.0))
+        # Aqk and Akk, the lower triangles (Akk's without its unused diagonal) of prepare's products; zero
+        # above (the entries nothing reads are read and dropped).
+        sAqk[r, s] = cutlass.select_(s <= r, mMats[tile, hv, 0, r, s], F32(0.0))
+        sAkk[r, s] = cutlass.select_(s < r, mMats[tile, hv, 1, r, s], F32(0.0))
     if tidx < cfg.bt:
         b = F32(0.0)
         if tidx < rows:
             b = beta_value(mBeta[t0 + tidx, hv].to(F32), cfg.beta)
         sB[tidx] = b
-    cute.arch.sync_threads()
-
-    # ---- Aqk and Akk (lower triangles incl. the diagonal): sums over the keys of the decayed products ----
-    for j in cutlass.range_constexpr(cfg.pairs):
-        e = tidx + cfg.k * j
-        r = e // cfg.bt
-        s = e % cfg.bt
-        a_qk = F32(0.0)
-        a_kk = F32(0.0)
-        if s <= r:
-            for kk in cutlass.range(cfg.k, unroll=4):
-                w = sK[s, kk] * decay(sG[r, kk] - sG[s, kk])
-                a_qk = a_qk + sQ[r, kk] * w
-                a_kk = a_kk + sK[r, kk] * w
-        sAqk[r, s] = a_qk
-        sAkk[r, s] = a_kk
     cute.arch.sync_threads()
 
     # ---- T = (I + L)^-1, L = the strict lower triangle of diag(beta) Akk: thread c < 16 solves column c ----
@@ -294,51 +282,53 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
                     db = db * 2.0
             mDbeta[t0 + tidx, hv] = db.to(cfg.beta_dtype)
 
-    # ---- column c: the intra-tile products back to q, k and the decays ----
-    # q and k of this column are read from shared memory where used (fewer registers: more CTAs an SM).
-    rdq = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dq_row
-    rdk = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_row
-    rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col
-    rdq.fill(0.0)
-    rdk.fill(0.0)
-    rdc.fill(0.0)
+    # ---- column c: the intra-tile products back to q, k and the decays, and dg ----
+    # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last.
+    rdkg = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    d_akt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    for i in cutlass.range_constexpr(cfg.bt):
+        d_akt[i] = sDakt[i, c]
+    d_last = mDgt[tile, hv, c] * decay(g_last)  # exp(G_last) on the state
     for r in cutlass.range_constexpr(cfg.bt):
+        dkg = F32(0.0)
+        for i in cutlass.range_constexpr(cfg.bt):
+            dkg = dkg + sP[r, i] * d_akt[i]
+        rdkg[r] = dkg
+        d_last = d_last + dkg * sKg[r, c]
+    # Then the rows last to first: once row r is done, every row r' >= r has added to its column sum rdc[r],
+    # so its dq, dk and dG are final and dG joins the reverse cumsum at once (which starts with dG_last's
+    # extra term, shared by every row). q and k of this column are read from shared memory where used (fewer
+    # registers: more CTAs an SM).
+    rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col
+    rdc.fill(0.0)
+    acc = d_last
+    d_alog = F32(0.0)
+    d_dt = F32(0.0)
+    for i in cutlass.range_constexpr(cfg.bt):
+        r = cfg.bt - 1 - i
+        q_r = sQ[r, c]
+        k_r = sK[r, c]
+        dq_r = F32(0.0)
+        dk_r = F32(0.0)
         for s in cutlass.range_constexpr(r + 1):
             w = decay(rG[r] - rG[s])
             a = sDAqk[r, s]
             b = sDAkk[r, s]
             k_s = sK[s, c] * w
-            rdq[r] = rdq[r] + a * k_s
-            rdk[r] = rdk[r] + b * k_s
-            rdc[s] = rdc[s] + (a * sQ[r, c] + b * sK[r, c]) * w
-    d_last = mDgt[tile, hv, c] * decay(g_last)  # exp(G_last) on the state
-    for r in cutlass.range_constexpr(cfg.bt):
+            dq_r = dq_r + a * k_s
+            dk_r = dk_r + b * k_s
+            rdc[s] = rdc[s] + (a * q_r + b * k_r) * w
         tr = cutlass.min(t0 + r, last)
         x_qd = cutlass.select_(r < rows, mDqd[tr, hv, c], F32(0.0))
         x_kd = cutlass.select_(r < rows, mDkd[tr, hv, c], F32(0.0))
-        dkg = F32(0.0)  # (P dAkt)_r, of k exp(G_last - G)
-        for i in cutlass.range_constexpr(cfg.bt):
-            dkg = dkg + sP[r, i] * sDakt[i, c]
+        dkg = rdkg[r]
         eg = decay(rG[r])
-        kg = sKg[r, c]
         q_eg = x_qd * eg
         k_eg = x_kd * eg
-        acc_q[r] = acc_q[r] + q_eg + rdq[r]
-        acc_k[r] = acc_k[r] + rdk[r] + rdc[r] + k_eg + dkg * decay(g_last - rG[r])
-        # dG_r, kept in rdq (its dq_row is spent)
-        q_r = sQ[r, c]
-        k_r = sK[r, c]
-        rdq[r] = q_r * rdq[r] + k_r * (rdk[r] - rdc[r]) + k_eg * k_r + q_eg * q_r - dkg * kg
-        d_last = d_last + dkg * kg
-    rdq[cfg.bt - 1] = rdq[cfg.bt - 1] + d_last
-
-    # ---- dg: the reverse cumsum of dG, then through the gate ----
-    acc = F32(0.0)
-    d_alog = F32(0.0)
-    d_dt = F32(0.0)
-    for i in cutlass.range_constexpr(cfg.bt):
-        r = cfg.bt - 1 - i
-        acc = acc + rdq[r]
+        acc_q[r] = acc_q[r] + q_eg + dq_r
+        acc_k[r] = acc_k[r] + dk_r + rdc[r] + k_eg + dkg * decay(g_last - rG[r])
+        acc = acc + (q_r * dq_r + k_r * (dk_r - rdc[r]) + k_eg * k_r + q_eg * q_r - dkg * sKg[r, c])  # + dG_r
+        # dg_r = the sum of dG over rows r and after, through the gate
         if cutlass.const_expr(cfg.gate == "precomputed"):
             if r < rows:
                 mDg[t0 + r, hv, c] = acc.to(cfg.g_dtype)

@@ -18,9 +18,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kdagen.kernels.common import swizzled_rows
+from kdagen.kernels.common import row_copy, swizzled_rows
 
-__all__ = ["ProductsConfig", "THREADS", "WARPS", "gemm", "products_mmas", "tile_products"]
+__all__ = [
+    "ProductsConfig", "THREADS", "WARPS", "gemm", "products_mmas", "stage_rows", "stage_state",
+    "tile_products",
+]
 
 WARPS = 4  # each takes a quarter of an output's columns
 THREADS = 32 * WARPS
@@ -62,42 +65,18 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sAq = smem.allocate_tensor(cfg.dtype, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)), 128)
 
     # ---- stage the tile's rows (zero past its end) and the two states, then dgt ----
-    # Element e = tidx + THREADS j of each tensor: consecutive threads on consecutive elements (coalesced),
-    # and the loops unrolled so that many loads are in flight at once (the stage is bound by their latency).
-    for j in cutlass.range_constexpr(cfg.bt * cfg.k // THREADS):
-        e = tidx + THREADS * j
-        r = e // cfg.k
-        c = e % cfg.k
-        kd = cfg.dtype(0.0)
-        at = cfg.dtype(0.0)
-        if r < rows:
-            kd = mKd[t0 + r, hv, c]
-            at = mAkt[t0 + r, hv, c]
-        sKd[r, c] = kd
-        sAkt[r, c] = at
-    for j in cutlass.range_constexpr(cfg.bt * cfg.v // THREADS):
-        e = tidx + THREADS * j
-        r = e // cfg.v
-        c = e % cfg.v
-        x = cfg.dtype(0.0)
-        if r < rows:
-            x = mDo[t0 + r, hv, c]
-        sDo[r, c] = x
-    for j in cutlass.range_constexpr(cfg.bt * cfg.bt // THREADS):
-        e = tidx + THREADS * j
-        r = e // cfg.bt
-        x = cfg.dtype(0.0)
-        if r < rows:
-            x = mAq[t0 + r, hv, e % cfg.bt]
-        sAq[r, e % cfg.bt] = x
-    # The states as the MMA type in shared memory (S converted from the state's dtype).
-    for j in cutlass.range(cfg.k * cfg.v // THREADS, unroll=16):
-        e = tidx + THREADS * j
-        if cutlass.const_expr(cfg.kv_layout):
-            sS[e // cfg.v, e % cfg.v] = mH[tile, hv, e // cfg.v, e % cfg.v].to(cfg.dtype)
-        else:
-            sS[e % cfg.k, e // cfg.k] = mH[tile, hv, e // cfg.k, e % cfg.k].to(cfg.dtype)
-        sD[e // cfg.k, e % cfg.k] = mDh[tile, hv, e // cfg.k, e % cfg.k]
+    # Every load is issued before any is waited on (the stage is bound by their latency): the tiles and dS by
+    # cp.async, S by 16-byte loads into registers (it changes type on the way in).
+    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype)
+    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype)
+    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype)
+    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype)
+    copy_d = row_copy(cfg.dtype, cfg.k, THREADS)
+    thr_d = copy_d.get_slice(tidx)
+    cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
+    cute.arch.cp_async_commit_group()
+    stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype)
+    cute.arch.cp_async_wait_group(0)
     cute.arch.sync_threads()
     # dgt: thread i sums key row i of S * dS over the values (fp32 sums of the staged products).
     for kc in range(tidx, cfg.k, THREADS):
@@ -187,3 +166,52 @@ def gemm(tiled_mma: cute.TiledMma, thr, tidx, sA: cute.Tensor, sB: cute.Tensor, 
         cute.copy(s2r_b, tBs[None, None, kb], rB_v[None, None, kb])
         cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
     return acc
+
+
+@cute.jit
+def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cutlass.Constexpr,
+               cols: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    # Rows t0 .. t0 + rows of head hv (bt x cols of the MMA type) into sDst by cp.async, 16 bytes a copy;
+    # the rows past the tile's end are zero-filled (no read past the tensor).
+    copy = row_copy(dtype, cols, min(THREADS, bt * cols * dtype.width // 128))
+    per_row = cols * dtype.width // 128
+    active = bt * per_row
+    if tidx < active:
+        thr = copy.get_slice(tidx)
+        g = cute.local_tile(cute.domain_offset((t0, 0), mSrc[None, hv, None]), (bt, cols), (0, 0))
+        tg = thr.partition_S(g)
+        ts = thr.partition_D(sDst)
+        tc = thr.partition_S(cute.make_identity_tensor((bt, cols)))
+        for m in cutlass.range_constexpr(cute.size(tc.shape[1])):
+            if cute.elem_less(tc[0, m, 0][0], rows):
+                cute.copy(copy, tg[None, m, None], ts[None, m, None])
+            else:
+                ts[None, m, None].fill(0)
+
+
+@cute.jit
+def stage_state(mH: cute.Tensor, sS: cute.Tensor, tile, hv, tidx, k: cutlass.Constexpr, v: cutlass.Constexpr,
+                kv_layout: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    # S of (tile, hv) (the state's dtype and layout) into sS (key rows, the MMA type): 16-byte loads along
+    # the state's contiguous dim, a batch of them issued before any is converted and stored.
+    n = 128 // mH.element_type.width  # elements a load
+    lines = v if kv_layout else k  # elements of a contiguous row
+    per_row = lines // n
+    loads = k * v // n // THREADS
+    batch = min(loads, 16)
+    for b in cutlass.range_constexpr(loads // batch):
+        raw = cute.make_rmem_tensor(cute.make_layout((n, batch), stride=(1, n)), mH.element_type)
+        for j in cutlass.range_constexpr(batch):
+            e = tidx + THREADS * (b * batch + j)
+            row = mH[tile, hv, e // per_row, None]
+            cute.autovec_copy(cute.local_tile(row, (n,), (e % per_row,)), raw[None, j])
+        for j in cutlass.range_constexpr(batch):
+            e = tidx + THREADS * (b * batch + j)
+            r = e // per_row
+            if cutlass.const_expr(kv_layout):  # n adjacent values of a key row: one vector store
+                x = cute.make_rmem_tensor(cute.make_layout((n,)), dtype)
+                x.store(raw[None, j].load().to(dtype))
+                cute.autovec_copy(x, cute.local_tile(sS[r, None], (n,), (e % per_row,)))
+            else:
+                for i in cutlass.range_constexpr(n):
+                    sS[(e % per_row) * n + i, r] = raw[i, j].to(dtype)

@@ -437,9 +437,10 @@ def park_beta(lane, bl, rr, views, bt: cutlass.Constexpr):
 
 
 @cute.jit
-def tile_matrices(cfg, views, lane, gq, tq, rr, beta_r, acc):
+def tile_matrices(cfg, views, lane, gq, tq, rr, beta_r, acc, mMats=None, tile=None, hv=None):
     """The intra-tile matrices L (strict lower, beta on the row) and Mqk (lower incl.) into shared memory,
-    from `decay_blocks`' products."""
+    from `decay_blocks`' products. With `mMats` ([tile slots, HV, 2, bt, bt] fp32, the backward's) also Mqk
+    and Akk = L without beta (the strict lower triangles, and Mqk's diagonal) to mMats[tile, hv]."""
     sL, sM, sBeta = views.sL, views.sM, views.sBeta
     if cutlass.const_expr(cfg.safe_gate):
         acc_l, acc_m = acc
@@ -456,6 +457,9 @@ def tile_matrices(cfg, views, lane, gq, tq, rr, beta_r, acc):
             if r >= s:
                 vm = acc_m[i]
             sM[r, s] = vm
+            if cutlass.const_expr(mMats is not None):
+                mMats[tile, hv, 0, r, s] = vm
+                mMats[tile, hv, 1, r, s] = cutlass.select_(r > s, acc_l[i], cutlass.Float32(0.0))
     else:
         acc_lv, diag = acc
         # Zeros first (the upper triangles, L's diagonal), then each level's pairs and Mqk's diagonal.
@@ -469,6 +473,8 @@ def tile_matrices(cfg, views, lane, gq, tq, rr, beta_r, acc):
         if tq == 0:
             for hh in cutlass.range_constexpr(2):
                 sM[rr[hh], rr[hh]] = diag[hh]
+                if cutlass.const_expr(mMats is not None):
+                    mMats[tile, hv, 0, rr[hh], rr[hh]] = diag[hh]
         for lev in cutlass.range_constexpr(4):
             blk = 8 >> lev
             # C slot (v0, v1): row g + 8 v1 of the level's product (v1 = 0: Mqk, 1: L), column 2t + v0.
@@ -478,6 +484,9 @@ def tile_matrices(cfg, views, lane, gq, tq, rr, beta_r, acc):
                 if r // (2 * blk) == s // (2 * blk):  # the same block pair: a pair of this level
                     sM[r, s] = acc_lv[lev][v0]
                     sL[r, s] = acc_lv[lev][2 + v0] * sBeta[r]
+                    if cutlass.const_expr(mMats is not None):
+                        mMats[tile, hv, 0, r, s] = acc_lv[lev][v0]
+                        mMats[tile, hv, 1, r, s] = acc_lv[lev][2 + v0]
     cute.arch.sync_warp()
 
 
