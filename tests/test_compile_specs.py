@@ -188,14 +188,16 @@ _SIBLING_RE = re.compile(r'^\w+ = sibling\(__name__, __file__, "(\w+)"\)$', flag
 
 
 _PREPARE_MMAS_RE = re.compile(r"\bprepare_mmas\(\s*([\w.]+)\s*\)")
-_PRODUCTS_MMAS_RE = re.compile(r"\bproducts_mmas\(\s*([\w.]+)\s*\)")
+_PRODUCTS_MMAS_RE = re.compile(r"\bproducts_mmas\(\s*([\w.]+)\s*[,)]")
+_GRADS_MMA_RE = re.compile(r"\bgrads_mma\(\)")
 
 
 def _expected_mmas(source: str) -> set[str]:
     """The warp-MMA PTX instructions the rendered stage asks for through its CuTe MMA atoms: its own, and
     those of `kdagen.kernels.prepare.prepare_mmas(dtype)` where it calls it (tf32 for L and Mqk, fp16 for
-    the fold, and the inputs' dtype for the Gram matrix) and of `kdagen.kernels.bwd_tile.products_mmas(dtype)`
-    (that dtype)."""
+    the fold, and the inputs' dtype for the Gram matrix) and of
+    `kdagen.kernels.bwd_tile.products_mmas(dtype, warps)` (that dtype) and of
+    `kdagen.kernels.bwd_grads.grads_mma()` (tf32)."""
     out = set()
     atoms = _F16_ATOM_RE.findall(source) + _PRODUCTS_MMAS_RE.findall(source)
     for dtype in _PREPARE_MMAS_RE.findall(source):
@@ -208,7 +210,7 @@ def _expected_mmas(source: str) -> set[str]:
             ab = m.group(1)
         t = _DSL_TO_PTX[ab.removeprefix("cutlass.")]
         out.add(f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32")
-    if _TF32_ATOM_RE.search(source):
+    if _TF32_ATOM_RE.search(source) or _GRADS_MMA_RE.search(source):
         out.add("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
     return out
 

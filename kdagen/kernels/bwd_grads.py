@@ -19,10 +19,12 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
 
 from kdagen.kernels.gate import beta_value, decay, log_decay
+from kdagen.kernels.prepare_tile import tf32
 
-__all__ = ["GradsConfig", "grads_tile", "row_sums", "sigmoid", "softplus"]
+__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "sigmoid", "softplus"]
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
@@ -67,6 +69,38 @@ def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, w
     cute.arch.sync_threads()
 
 
+def grads_mma():
+    """The stage's one tiled MMA: m16n8k8 tf32, one warp (`kg_dakt`)."""
+    return cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)), (1, 1, 1))
+
+
+@cute.jit
+def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute.Tensor, tidx,
+            bt: cutlass.Constexpr):
+    # Kg dAkt^T (bt x bt, a sum over the keys) on tensor cores (`grads_mma`): warp w sums keys 32 w .. 32 w +
+    # 31 into sOut[w]. Fragments (lane = 4 g + t): A slot hh + 2 c2 is (row g + 8 hh, key t + 4 c2), B slot
+    # c2 + 2 nb is (key t + 4 c2, column g + 8 nb), C slot i is (row g + 8 ((i // 2) % 2), column
+    # 8 (i // 4) + 2 t + i % 2).
+    w = tidx // 32
+    lane = tidx % 32
+    g = lane // 4
+    t = lane % 4
+    thr = mma.get_slice(lane)
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((bt, bt)), F32)
+    acc.fill(0.0)
+    for ks in cutlass.range_constexpr(4):
+        k0 = 32 * w + 8 * ks
+        a = cute.make_rmem_tensor(thr.partition_shape_A((bt, 8)), cutlass.Int32)
+        b = cute.make_rmem_tensor(thr.partition_shape_B((bt, 8)), cutlass.Int32)
+        for hh in cutlass.range_constexpr(2):
+            for c2 in cutlass.range_constexpr(2):
+                a[hh + 2 * c2] = tf32(sKg[g + 8 * hh, k0 + t + 4 * c2])
+                b[c2 + 2 * hh] = tf32(sDakt[g + 8 * hh, k0 + t + 4 * c2])
+        cute.gemm(mma, acc, a, b, acc)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        sOut[w, g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2] = acc[i]
+
+
 @cute.jit
 def sigmoid(x):
     return 1.0 / (1.0 + cute.math.exp(-x))
@@ -80,7 +114,7 @@ def softplus(y):
 
 @cute.jit
 def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats,
-               mDq, mDk, mDg, mDbeta, mDaLog, mDdt, scale, tile, h, t0, rows, tidx):
+               mDq, mDk, mDg, mDbeta, mDaLog, mDdt, mma, scale, tile, h, t0, rows, tidx):
     """Tile `tile` (its rows t0 .. t0 + rows) and q/k head h, by the CTA's K threads (`tidx` = key column).
     The gate's tensors (mALog, mDt, mDaLog, mDdt) are None for a precomputed gate."""
     smem = cutlass.memory.SmemAllocator()
@@ -88,7 +122,9 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     rows_k = cute.make_layout((cfg.bt, cfg.k), stride=(cfg.k + 1, 1))
     sQ = smem.allocate_tensor(F32, rows_k, 16)  # prepared q (normalised, scaled)
     sK = smem.allocate_tensor(F32, rows_k, 16)  # prepared k (normalised)
-    sG = smem.allocate_tensor(F32, rows_k, 16)  # the tile-local inclusive cumsum of the log decay
+    # Kg dAkt^T by the warps' key slices (`kg_dakt`), summed in order where used
+    per_warp = cute.make_layout((cfg.k // 32, cfg.bt, cfg.bt), stride=(cfg.bt * cfg.bt, cfg.bt, 1))
+    sKgDa = smem.allocate_tensor(F32, per_warp, 16)
     sKg = smem.allocate_tensor(F32, rows_k, 16)  # k exp(G_last - G)
     sDakt = smem.allocate_tensor(F32, rows_k, 16)
     mat = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt + 1, 1))
@@ -140,17 +176,17 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     acc_k = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     acc_q.fill(0.0)
     acc_k.fill(0.0)
-    shared = (sQ, sK, sG, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB)
+    shared = (sQ, sK, sKgDa, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB)
     if cutlass.const_expr(cfg.gva > 1):
         for j in cutlass.range(cfg.gva, unroll=1):
             cute.arch.sync_threads()  # the previous head's reads of the shared tiles are done
             _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
-                        mDdt, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+                        mDdt, mma, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
     else:
         for j in cutlass.range_constexpr(1):  # one value head: nothing carried across a loop
             cute.arch.sync_threads()
             _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
-                        mDdt, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+                        mDdt, mma, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
 
     # ---- back through the scale and the l2norm: dx = (dy - y (y . dy)) / |x|, y = x / |x| ----
     cute.arch.sync_threads()
@@ -173,10 +209,10 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
 
 @cute.jit
 def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg,
-                mDbeta, mDaLog, mDdt, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
+                mDbeta, mDaLog, mDdt, mma, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
     # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
     # gate's parameters' partial sums) written.
-    sQ, sK, sG, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
+    sQ, sK, sKgDa, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
     c = tidx
     a_scale = F32(1.0)
     dt = F32(0.0)
@@ -193,7 +229,6 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         x_a = cutlass.select_(r < rows, mDakt[tr, hv, c], F32(0.0))
         acc = acc + x_g
         rG[r] = acc
-        sG[r, c] = acc
         sDakt[r, c] = x_a
     g_last = acc
     for r in cutlass.range_constexpr(cfg.bt):
@@ -226,6 +261,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             rT[r] = x
             sT[r, c] = x
             sP[r, c] = x * sB[c]
+    kg_dakt(mma, sKg, sDakt, sKgDa, tidx, cfg.bt)  # meanwhile (the solve takes half a warp)
     cute.arch.sync_threads()
 
     # ---- dP = Aqk^T dAq + Kg dAkt^T and dAqk = dAq P^T, lower triangles (no upper entry reaches a result)
@@ -236,11 +272,11 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         d_p = F32(0.0)
         d_aqk = F32(0.0)
         if s <= r:
+            for w in cutlass.range_constexpr(cfg.k // 32):
+                d_p = d_p + sKgDa[w, r, s]
             for i in cutlass.range_constexpr(cfg.bt):
                 d_p = d_p + sAqk[i, r] * sDaq[i, s]
                 d_aqk = d_aqk + sDaq[r, i] * sP[s, i]
-            for kk in cutlass.range(cfg.k, unroll=4):
-                d_p = d_p + sKg[r, kk] * sDakt[s, kk]
         sDP[r, s] = d_p
         sDAqk[r, s] = d_aqk
     cute.arch.sync_threads()

@@ -21,12 +21,10 @@ from cutlass.cute.nvgpu import warp
 from kdagen.kernels.common import row_copy, swizzled_rows
 
 __all__ = [
-    "ProductsConfig", "THREADS", "WARPS", "gemm", "products_mmas", "stage_rows", "stage_state",
-    "tile_products",
+    "MAX_WARPS", "ProductsConfig", "gemm", "products_mmas", "stage_rows", "stage_state", "tile_products",
 ]
 
-WARPS = 4  # each takes a quarter of an output's columns
-THREADS = 32 * WARPS
+MAX_WARPS = 8  # 16 output columns a warp: two CTAs an SM (shared memory) keep 16 warps busy
 
 
 @dataclass(frozen=True)
@@ -39,12 +37,21 @@ class ProductsConfig:
     dtype: Any  # the MMA type (cutlass.BFloat16 or Float16): the tiles, dh, and S as staged
     kv_layout: bool  # h is [slots, HV, K, V] if True, else [slots, HV, V, K]
 
+    @property
+    def warps(self) -> int:
+        # side by side along an output's columns, 16 each (the narrower head dim sets how many)
+        return min(MAX_WARPS, min(self.k, self.v) // 16)
 
-def products_mmas(dtype):
-    """The stage's two tiled MMAs: four warps side by side along N (16 columns of an output to each warp in
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def products_mmas(dtype, warps: int):
+    """The stage's two tiled MMAs: `warps` warps side by side along N (16 columns of an output to each warp in
     turn: one ldmatrix.x4 of B per k-block), and one warp alone for the 16-column dAq."""
     op = warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16))
-    mma4 = cute.make_tiled_mma(op, (1, WARPS, 1), permutation_mnk=(16, WARPS * 16, 16))
+    mma4 = cute.make_tiled_mma(op, (1, warps, 1), permutation_mnk=(16, warps * 16, 16))
     mma1 = cute.make_tiled_mma(op, (1, 1, 1), permutation_mnk=(16, 16, 16))
     return mma4, mma1
 
@@ -52,8 +59,8 @@ def products_mmas(dtype):
 @cute.jit
 def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
                   mDgt, mma4, mma1, tile, hv, t0, rows, tidx, warp_idx, lane):
-    """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's THREADS threads: `mma4` is
-    `products_mmas`' four-warp MMA, `mma1` its one-warp MMA."""
+    """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's `cfg.threads` threads: `mma4` is
+    `products_mmas`' many-warp MMA, `mma1` its one-warp MMA."""
     smem = cutlass.memory.SmemAllocator()
     sS = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.k, cfg.v), 1024)  # S (key rows)
     sD = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.v, cfg.k), 1024)  # dS^T (value rows)
@@ -63,28 +70,43 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sAq = smem.allocate_tensor(cfg.dtype, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)), 128)
+    parts = max(1, cfg.threads // cfg.k)
+    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
 
     # ---- stage the tile's rows (zero past its end) and the two states, then dgt ----
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles and dS by
     # cp.async, S by 16-byte loads into registers (it changes type on the way in).
-    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype)
-    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype)
-    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype)
-    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype)
-    copy_d = row_copy(cfg.dtype, cfg.k, THREADS)
+    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
+    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype, cfg.threads)
+    copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
     thr_d = copy_d.get_slice(tidx)
     cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
     cute.arch.cp_async_commit_group()
-    stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype)
+    stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
     cute.arch.cp_async_wait_group(0)
     cute.arch.sync_threads()
-    # dgt: thread i sums key row i of S * dS over the values (fp32 sums of the staged products).
-    for kc in range(tidx, cfg.k, THREADS):
+    # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads share a
+    # key row, each summing a slice of the values, and the slices are added in order.
+    parts = max(1, cfg.threads // cfg.k)
+    span = cfg.v // parts
+    for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
+        v0 = (tidx // cfg.k) * span
         acc = cutlass.Float32(0.0)
-        for vr in cutlass.range(cfg.v, unroll=8):
-            acc = acc + sS[kc, vr].to(cutlass.Float32) * sD[vr, kc].to(cutlass.Float32)
-        mDgt[tile, hv, kc] = acc
+        for vr in cutlass.range(span, unroll=8):
+            acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
+        if cutlass.const_expr(parts == 1):
+            mDgt[tile, hv, kc] = acc
+        else:
+            sPart[tidx // cfg.k, kc] = acc
     cute.arch.sync_threads()
+    if cutlass.const_expr(parts > 1):
+        if tidx < cfg.k:
+            acc = sPart[0, tidx]
+            for j in cutlass.range_constexpr(1, parts):
+                acc = acc + sPart[j, tidx]
+            mDgt[tile, hv, tidx] = acc
 
     thr = mma4.get_slice(tidx)
     ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
@@ -170,10 +192,10 @@ def gemm(tiled_mma: cute.TiledMma, thr, tidx, sA: cute.Tensor, sB: cute.Tensor, 
 
 @cute.jit
 def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cutlass.Constexpr,
-               cols: cutlass.Constexpr, dtype: cutlass.Constexpr):
+               cols: cutlass.Constexpr, dtype: cutlass.Constexpr, threads: cutlass.Constexpr):
     # Rows t0 .. t0 + rows of head hv (bt x cols of the MMA type) into sDst by cp.async, 16 bytes a copy;
     # the rows past the tile's end are zero-filled (no read past the tensor).
-    copy = row_copy(dtype, cols, min(THREADS, bt * cols * dtype.width // 128))
+    copy = row_copy(dtype, cols, min(threads, bt * cols * dtype.width // 128))
     per_row = cols * dtype.width // 128
     active = bt * per_row
     if tidx < active:
@@ -191,22 +213,22 @@ def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cut
 
 @cute.jit
 def stage_state(mH: cute.Tensor, sS: cute.Tensor, tile, hv, tidx, k: cutlass.Constexpr, v: cutlass.Constexpr,
-                kv_layout: cutlass.Constexpr, dtype: cutlass.Constexpr):
+                kv_layout: cutlass.Constexpr, dtype: cutlass.Constexpr, threads: cutlass.Constexpr):
     # S of (tile, hv) (the state's dtype and layout) into sS (key rows, the MMA type): 16-byte loads along
     # the state's contiguous dim, a batch of them issued before any is converted and stored.
     n = 128 // mH.element_type.width  # elements a load
     lines = v if kv_layout else k  # elements of a contiguous row
     per_row = lines // n
-    loads = k * v // n // THREADS
+    loads = k * v // n // threads
     batch = min(loads, 16)
     for b in cutlass.range_constexpr(loads // batch):
         raw = cute.make_rmem_tensor(cute.make_layout((n, batch), stride=(1, n)), mH.element_type)
         for j in cutlass.range_constexpr(batch):
-            e = tidx + THREADS * (b * batch + j)
+            e = tidx + threads * (b * batch + j)
             row = mH[tile, hv, e // per_row, None]
             cute.autovec_copy(cute.local_tile(row, (n,), (e % per_row,)), raw[None, j])
         for j in cutlass.range_constexpr(batch):
-            e = tidx + THREADS * (b * batch + j)
+            e = tidx + threads * (b * batch + j)
             r = e // per_row
             if cutlass.const_expr(kv_layout):  # n adjacent values of a key row: one vector store
                 x = cute.make_rmem_tensor(cute.make_layout((n,)), dtype)
