@@ -162,7 +162,8 @@ def run_backward(
     do_arg = do.to(dt).contiguous().view(total, hv, vdim)
     f32 = torch.float32
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
-             for name, d in (("dv", vdim), ("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
+             for name, d in (("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
+    dv = torch.empty((total, hv, vdim), dtype=dt, device=device)  # v's dtype is the MMA type
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
     # Every tile's Mqk and Akk from prepare (bwd_prepare), for bwd_grads: lower triangles, the rest unread.
     mats = torch.empty((ws.tile_slots, hv, 2, CHUNK, CHUNK), dtype=f32, device=device)
@@ -182,7 +183,7 @@ def run_backward(
                                                         mats=mats)
         kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
         kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
-                         prods["dv"], prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
+                         dv, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()
         kernel._bwd_grads(q_c.view(total, nh, kdim), k_c.view(total, nh, kdim), g_c.view(total, hv, kdim),
                           beta_c.view(total, hv), *gate_in, prods["dqd"], prods["dkd"], prods["dakt"],
@@ -193,6 +194,5 @@ def run_backward(
         d_alog = gate_parts[0].sum(dim=(0, 2)).reshape(A_log.shape).to(A_log.dtype)
     if dt_bias is not None:
         d_bias = gate_parts[1].sum(dim=0).reshape(dt_bias.shape).to(dt_bias.dtype)
-    dv = prods["dv"].view(v.shape).to(v.dtype)
-    return Grads(dq.view(q.shape), dk.view(k.shape), dv, dg.view(g.shape), dbeta.view(beta.shape), d_alog,
-                 d_bias, dh0)
+    return Grads(dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape),
+                 dbeta.view(beta.shape), d_alog, d_bias, dh0)

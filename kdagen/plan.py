@@ -471,6 +471,7 @@ def make_plan(spec: KernelSpec) -> Plan:
             "g_dtype": DTYPES[spec.g_dtype].dsl,
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "beta": spec.beta,
+            "safe_gate": spec.safe_gate,
             "min_ctas": _bwd_grads_ctas(spec),
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",

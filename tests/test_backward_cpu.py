@@ -151,7 +151,7 @@ class EmuKernel:
                 R = vc - c["KE"] @ S
                 dR = aq_.transpose(1, 2) @ dO[sl].transpose(0, 1) + akt_ @ dS
                 rows = slice(b * seqlen + c0, b * seqlen + c1)
-                dv[rows] = dR.transpose(0, 1).float()
+                dv[rows] = dR.transpose(0, 1).to(dv.dtype)
                 dqd[rows] = (dO[sl].transpose(0, 1) @ S.transpose(1, 2)).transpose(0, 1).float()
                 dkd[rows] = (-dR @ S.transpose(1, 2)).transpose(0, 1).float()
                 dakt[rows] = (R @ dS.transpose(1, 2)).transpose(0, 1).float()

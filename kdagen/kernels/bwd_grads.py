@@ -42,6 +42,7 @@ class GradsConfig:
     beta_dtype: Any  # beta and its gradient
     gate: str  # "precomputed", "softplus" or "lower_bound"
     lower_bound: float | None
+    safe_gate: bool  # g >= lower_bound >= -5 promised: decays through a mid-tile anchor (`_value_head`)
     beta: str  # how beta is given: "prob", "logit" or "logit_x2"
     l2norm: bool
 
@@ -134,10 +135,12 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     sP = smem.allocate_tensor(F32, mat, 16)  # (I + L)^-1 diag(beta)
     sDaq = smem.allocate_tensor(F32, mat, 16)
     sDP = smem.allocate_tensor(F32, mat, 16)
-    sDAqk = smem.allocate_tensor(F32, mat, 16)
+    # dAqk and dAkk in unpadded rows: read as broadcasts, four entries a load
+    rows16 = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1))
+    sDAqk = smem.allocate_tensor(F32, rows16, 16)
     sY = smem.allocate_tensor(F32, mat, 16)  # T^T dP diag(beta)
     sDL = smem.allocate_tensor(F32, mat, 16)
-    sDAkk = smem.allocate_tensor(F32, mat, 16)
+    sDAkk = smem.allocate_tensor(F32, rows16, 16)
     sB = smem.allocate_tensor(F32, cute.make_layout((cfg.bt,)), 16)
     sRed = smem.allocate_tensor(F32, cute.make_layout((cfg.k // 32, 2 * cfg.bt), stride=(2 * cfg.bt, 1)), 16)
     # 1/|q_r|, 1/|k_r|
@@ -335,8 +338,17 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     # so its dq, dk and dG are final and dG joins the reverse cumsum at once (which starts with dG_last's
     # extra term, shared by every row). q and k of this column are read from shared memory where used (fewer
     # registers: more CTAs an SM).
-    rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col
+    # With the safe gate each pair's decay exp(G_r - G_s) is e_r / e_s, e = exp(G - G_m) from the middle
+    # row m: |G - G_m| <= 8 x 5, so e and 1/e stay within 2^+-58 and the sums keep 2^69 of headroom for the
+    # gradients' scale; k_s / e_s is formed once a column (kt) and no pair takes an exp. Otherwise
+    # (hard resets possible) every pair takes its own exp(G_r - G_s) <= 1.
+    rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col (over e_s with the safe gate)
     rdc.fill(0.0)
+    kt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    g_mid = rG[cfg.bt // 2]
+    if cutlass.const_expr(cfg.safe_gate):
+        for s in cutlass.range_constexpr(cfg.bt):
+            kt[s] = sK[s, c] * decay(g_mid - rG[s])
     acc = d_last
     d_alog = F32(0.0)
     d_dt = F32(0.0)
@@ -346,14 +358,31 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         k_r = sK[r, c]
         dq_r = F32(0.0)
         dk_r = F32(0.0)
-        for s in cutlass.range_constexpr(r + 1):
-            w = decay(rG[r] - rG[s])
-            a = sDAqk[r, s]
-            b = sDAkk[r, s]
-            k_s = sK[s, c] * w
-            dq_r = dq_r + a * k_s
-            dk_r = dk_r + b * k_s
-            rdc[s] = rdc[s] + (a * q_r + b * k_r) * w
+        e_r = F32(1.0)
+        if cutlass.const_expr(cfg.safe_gate):
+            e_r = decay(rG[r] - g_mid)
+        qe = q_r * e_r
+        ke = k_r * e_r
+        for s0 in cutlass.range_constexpr(0, r + 1, 4):
+            va = cute.make_tensor(sDAqk.iterator + r * cfg.bt + s0, cute.make_layout((4,))).load()
+            vb = cute.make_tensor(sDAkk.iterator + r * cfg.bt + s0, cute.make_layout((4,))).load()
+            for s in cutlass.range_constexpr(s0, min(s0 + 4, r + 1)):
+                a = va[s - s0]
+                b = vb[s - s0]
+                if cutlass.const_expr(cfg.safe_gate):
+                    dq_r = dq_r + a * kt[s]
+                    dk_r = dk_r + b * kt[s]
+                    rdc[s] = rdc[s] + (a * qe + b * ke)
+                else:
+                    w = decay(rG[r] - rG[s])
+                    k_s = sK[s, c] * w
+                    dq_r = dq_r + a * k_s
+                    dk_r = dk_r + b * k_s
+                    rdc[s] = rdc[s] + (a * q_r + b * k_r) * w
+        if cutlass.const_expr(cfg.safe_gate):
+            dq_r = dq_r * e_r
+            dk_r = dk_r * e_r
+            rdc[r] = rdc[r] * decay(g_mid - rG[r])
         tr = cutlass.min(t0 + r, last)
         x_qd = cutlass.select_(r < rows, mDqd[tr, hv, c], F32(0.0))
         x_kd = cutlass.select_(r < rows, mDkd[tr, hv, c], F32(0.0))

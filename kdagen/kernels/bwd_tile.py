@@ -139,7 +139,7 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
         c = coord_v[i][1]
         x = acc_d[i] + acc_d2[i]
         if r < rows:
-            mDv[t0 + r, hv, c] = x
+            mDv[t0 + r, hv, c] = x.to(cfg.dtype)
         sDr[r, c] = (-x).to(cfg.dtype)
     cute.arch.sync_threads()
 
