@@ -28,6 +28,9 @@ __all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "sig
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
+# Rows ahead of their use that the column phase's global reads are issued (their latency, ~0.6 of the
+# stage's 4.4 ms at B=2 T=8192 H=64 when read where used: docs/experiments.md, "bwd_grads' phases")
+PREFETCH_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class GradsConfig:
     safe_gate: bool  # g >= lower_bound >= -5 promised: decays through a mid-tile anchor (`_value_head`)
     beta: str  # how beta is given: "prob", "logit" or "logit_x2"
     l2norm: bool
+
+    @property
+    def mma_warps(self) -> int:
+        # warps that form Kg dAkt^T (`kg_dakt`): all but the last, which solves for T meanwhile
+        return max(1, self.k // 32 - 1)
 
     @property
     def pairs(self) -> int:
@@ -77,11 +85,11 @@ def grads_mma():
 
 @cute.jit
 def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute.Tensor, tidx,
-            bt: cutlass.Constexpr):
-    # Kg dAkt^T (bt x bt, a sum over the keys) on tensor cores (`grads_mma`): warp w sums keys 32 w .. 32 w +
-    # 31 into sOut[w]. Fragments (lane = 4 g + t): A slot hh + 2 c2 is (row g + 8 hh, key t + 4 c2), B slot
-    # c2 + 2 nb is (key t + 4 c2, column g + 8 nb), C slot i is (row g + 8 ((i // 2) % 2), column
-    # 8 (i // 4) + 2 t + i % 2).
+            bt: cutlass.Constexpr, k: cutlass.Constexpr, warps: cutlass.Constexpr):
+    # Kg dAkt^T (bt x bt, a sum over the k keys) on tensor cores (`grads_mma`), by warps 0 .. warps - 1:
+    # warp w sums the 8-key steps w, w + warps, ... into sOut[w]. Fragments (lane = 4 g + t): A slot hh + 2 c2
+    # is (row g + 8 hh, key t + 4 c2), B slot c2 + 2 nb is (key t + 4 c2, column g + 8 nb), C slot i is
+    # (row g + 8 ((i // 2) % 2), column 8 (i // 4) + 2 t + i % 2).
     w = tidx // 32
     lane = tidx % 32
     g = lane // 4
@@ -89,8 +97,8 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
     thr = mma.get_slice(lane)
     acc = cute.make_rmem_tensor(thr.partition_shape_C((bt, bt)), F32)
     acc.fill(0.0)
-    for ks in cutlass.range_constexpr(4):
-        k0 = 32 * w + 8 * ks
+    for ks in range(w, k // 8, warps):
+        k0 = 8 * ks
         a = cute.make_rmem_tensor(thr.partition_shape_A((bt, 8)), cutlass.Int32)
         b = cute.make_rmem_tensor(thr.partition_shape_B((bt, 8)), cutlass.Int32)
         for hh in cutlass.range_constexpr(2):
@@ -100,6 +108,16 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
         cute.gemm(mma, acc, a, b, acc)
     for i in cutlass.range_constexpr(cute.size(acc)):
         sOut[w, g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2] = acc[i]
+
+
+@cute.jit
+def _prefetch_row(cfg: cutlass.Constexpr, mDqd, mDkd, mG, hv, tr, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
+                  pre_g):
+    # Token tr's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
+    pre_qd[slot] = mDqd[tr, hv, c]
+    pre_kd[slot] = mDkd[tr, hv, c]
+    if cutlass.const_expr(cfg.gate != "precomputed"):
+        pre_g[slot] = mG[tr, hv, c].to(F32)
 
 
 @cute.jit
@@ -124,7 +142,7 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     sQ = smem.allocate_tensor(F32, rows_k, 16)  # prepared q (normalised, scaled)
     sK = smem.allocate_tensor(F32, rows_k, 16)  # prepared k (normalised)
     # Kg dAkt^T by the warps' key slices (`kg_dakt`), summed in order where used
-    per_warp = cute.make_layout((cfg.k // 32, cfg.bt, cfg.bt), stride=(cfg.bt * cfg.bt, cfg.bt, 1))
+    per_warp = cute.make_layout((cfg.mma_warps, cfg.bt, cfg.bt), stride=(cfg.bt * cfg.bt, cfg.bt, 1))
     sKgDa = smem.allocate_tensor(F32, per_warp, 16)
     sKg = smem.allocate_tensor(F32, rows_k, 16)  # k exp(G_last - G)
     sDakt = smem.allocate_tensor(F32, rows_k, 16)
@@ -252,19 +270,23 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         sB[tidx] = b
     cute.arch.sync_threads()
 
-    # ---- T = (I + L)^-1, L = the strict lower triangle of diag(beta) Akk: thread c < 16 solves column c ----
-    if tidx < cfg.bt:
+    # ---- T = (I + L)^-1, L = the strict lower triangle of diag(beta) Akk: lane j < 16 of the last warp
+    # solves column j, while the other warps form Kg dAkt^T on tensor cores ----
+    solver = cfg.k - 32
+    if tidx >= solver and tidx < solver + cfg.bt:
+        j_col = tidx - solver
         rT = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
         for r in cutlass.range_constexpr(cfg.bt):
             x = F32(0.0)
-            if r == c:
+            if r == j_col:
                 x = F32(1.0)
             for j in cutlass.range_constexpr(r):
                 x = x - sB[r] * sAkk[r, j] * rT[j]
             rT[r] = x
-            sT[r, c] = x
-            sP[r, c] = x * sB[c]
-    kg_dakt(mma, sKg, sDakt, sKgDa, tidx, cfg.bt)  # meanwhile (the solve takes half a warp)
+            sT[r, j_col] = x
+            sP[r, j_col] = x * sB[j_col]
+    if cutlass.const_expr(cfg.mma_warps == 1) or tidx < solver:
+        kg_dakt(mma, sKg, sDakt, sKgDa, tidx, cfg.bt, cfg.k, cfg.mma_warps)
     cute.arch.sync_threads()
 
     # ---- dP = Aqk^T dAq + Kg dAkt^T and dAqk = dAq P^T, lower triangles (no upper entry reaches a result)
@@ -275,7 +297,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         d_p = F32(0.0)
         d_aqk = F32(0.0)
         if s <= r:
-            for w in cutlass.range_constexpr(cfg.k // 32):
+            for w in cutlass.range_constexpr(cfg.mma_warps):
                 d_p = d_p + sKgDa[w, r, s]
             for i in cutlass.range_constexpr(cfg.bt):
                 d_p = d_p + sAqk[i, r] * sDaq[i, s]
@@ -322,6 +344,13 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             mDbeta[t0 + tidx, hv] = db.to(cfg.beta_dtype)
 
     # ---- column c: the intra-tile products back to q, k and the decays, and dg ----
+    # The rows loop's global reads (dQd, dKd and g of a row) are issued PREFETCH_ROWS rows ahead of their use.
+    pre_qd = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
+    pre_kd = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
+    pre_g = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
+    for j in cutlass.range_constexpr(PREFETCH_ROWS):
+        _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + cfg.bt - 1 - j, last), c, j, pre_qd, pre_kd,
+                      pre_g)
     # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last.
     rdkg = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     d_akt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
@@ -354,6 +383,13 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     d_dt = F32(0.0)
     for i in cutlass.range_constexpr(cfg.bt):
         r = cfg.bt - 1 - i
+        slot = i % PREFETCH_ROWS
+        x_qd = cutlass.select_(r < rows, pre_qd[slot], F32(0.0))
+        x_kd = cutlass.select_(r < rows, pre_kd[slot], F32(0.0))
+        x_g = pre_g[slot]
+        if cutlass.const_expr(i + PREFETCH_ROWS < cfg.bt):
+            _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + r - PREFETCH_ROWS, last), c, slot, pre_qd,
+                          pre_kd, pre_g)
         q_r = sQ[r, c]
         k_r = sK[r, c]
         dq_r = F32(0.0)
@@ -383,9 +419,6 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             dq_r = dq_r * e_r
             dk_r = dk_r * e_r
             rdc[r] = rdc[r] * decay(g_mid - rG[r])
-        tr = cutlass.min(t0 + r, last)
-        x_qd = cutlass.select_(r < rows, mDqd[tr, hv, c], F32(0.0))
-        x_kd = cutlass.select_(r < rows, mDkd[tr, hv, c], F32(0.0))
         dkg = rdkg[r]
         eg = decay(rG[r])
         q_eg = x_qd * eg
@@ -399,7 +432,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
                 mDg[t0 + r, hv, c] = acc.to(cfg.g_dtype)
         elif cutlass.const_expr(cfg.gate == "lower_bound"):
             # g = lb sigmoid(z), z = a (x + dt); rows past the tile's end add nothing
-            z = a_scale * (mG[cutlass.min(t0 + r, last), hv, c].to(F32) + dt)
+            z = a_scale * (x_g + dt)
             sg = sigmoid(z)
             dz = cutlass.select_(r < rows, acc * (cfg.lower_bound * sg * (1.0 - sg)), F32(0.0))
             d_dt = d_dt + dz * a_scale
@@ -408,7 +441,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
                 mDg[t0 + r, hv, c] = (dz * a_scale).to(cfg.g_dtype)
         else:
             # g = -a softplus(y), y = x + dt; rows past the tile's end add nothing
-            y = mG[cutlass.min(t0 + r, last), hv, c].to(F32) + dt
+            y = x_g + dt
             d_y = cutlass.select_(r < rows, -acc * a_scale, F32(0.0))
             dx = d_y * sigmoid(y)
             d_dt = d_dt + dx
