@@ -285,7 +285,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             rT[r] = x
             sT[r, j_col] = x
             sP[r, j_col] = x * sB[j_col]
-    if cutlass.const_expr(cfg.mma_warps == 1) or tidx < solver:
+    if tidx < max(solver, 32):  # (a single warp, at K = 32, does both)
         kg_dakt(mma, sKg, sDakt, sKgDa, tidx, cfg.bt, cfg.k, cfg.mma_warps)
     cute.arch.sync_threads()
 
