@@ -28,8 +28,9 @@ __all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "sig
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
-# Rows ahead of their use that the column phase's global reads are issued (their latency, ~0.6 of the
-# stage's 4.4 ms at B=2 T=8192 H=64 when read where used: docs/experiments.md, "bwd_grads' phases")
+# Rows ahead of their use that the column phase's global reads are issued (read where used, their latency
+# was ~0.6 of the stage's 4.4 ms at B=2 T=8192 H=64: docs/experiments.md, "Backward: bwd_prepare, loads
+# issued together, the column phase's reads ahead")
 PREFETCH_ROWS = 4
 
 
