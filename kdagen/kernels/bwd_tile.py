@@ -5,10 +5,10 @@ step: R = V - Kd S, O = Qd S + Aq R, S' = diag(gt) S + Akt^T R).
 Given the state S entering a tile and the gradient dS of the state leaving it, a tile's gradients of the
 step's operands are dR = Aq^T dO + Akt dS (= dV), dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T, dAq = dO R^T
 and dgt = the row sums of S * dS; everything after them is the `bwd_grads` stage's
-(`kdagen.kernels.bwd_grads`). One CTA of four warps per (tile, value head): S (in the state's dtype) and dS
-(in the MMA type, as the scan writes it) are staged in shared memory as the MMA type (dgt sums their
-products in fp32, as FLA takes it from its bf16 states), and the five products run on warp MMAs, the warps
-splitting the output columns.
+(`kdagen.kernels.bwd_grads`). One CTA per (tile, value head), of up to eight warps (`ProductsConfig.warps`):
+S (in the state's dtype) and dS (in the MMA type, as the scan writes it) are staged in shared memory as the
+MMA type (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the five products run
+on warp MMAs, the warps splitting the output columns.
 """
 
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kdagen.kernels.common import row_copy, swizzled_rows
+from kdagen.kernels.prepare import load_tile
 
 __all__ = [
     "MAX_WARPS", "ProductsConfig", "gemm", "products_mmas", "stage_rows", "stage_state", "tile_products",
@@ -46,21 +47,26 @@ class ProductsConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
+    @property
+    def dgt_parts(self) -> int:
+        # threads sharing a key row of dgt, each summing a slice of the values
+        return max(1, self.threads // self.k)
+
 
 def products_mmas(dtype, warps: int):
     """The stage's two tiled MMAs: `warps` warps side by side along N (16 columns of an output to each warp in
     turn: one ldmatrix.x4 of B per k-block), and one warp alone for the 16-column dAq."""
     op = warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16))
-    mma4 = cute.make_tiled_mma(op, (1, warps, 1), permutation_mnk=(16, warps * 16, 16))
+    mma_wide = cute.make_tiled_mma(op, (1, warps, 1), permutation_mnk=(16, warps * 16, 16))
     mma1 = cute.make_tiled_mma(op, (1, 1, 1), permutation_mnk=(16, 16, 16))
-    return mma4, mma1
+    return mma_wide, mma1
 
 
 @cute.jit
 def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
-                  mDgt, mma4, mma1, tile, hv, t0, rows, tidx, warp_idx, lane):
-    """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's `cfg.threads` threads: `mma4` is
-    `products_mmas`' many-warp MMA, `mma1` its one-warp MMA."""
+                  mDgt, mma_wide, mma1, tile, hv, t0, rows, tidx, warp_idx, lane):
+    """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's `cfg.threads` threads:
+    `mma_wide` is `products_mmas`' many-warp MMA, `mma1` its one-warp MMA."""
     smem = cutlass.memory.SmemAllocator()
     sS = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.k, cfg.v), 1024)  # S (key rows)
     sD = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.v, cfg.k), 1024)  # dS^T (value rows)
@@ -70,7 +76,7 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sAq = smem.allocate_tensor(cfg.dtype, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)), 128)
-    parts = max(1, cfg.threads // cfg.k)
+    parts = cfg.dgt_parts
     sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
 
     # ---- stage the tile's rows (zero past its end) and the two states, then dgt ----
@@ -89,7 +95,6 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     cute.arch.sync_threads()
     # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads share a
     # key row, each summing a slice of the values, and the slices are added in order.
-    parts = max(1, cfg.threads // cfg.k)
     span = cfg.v // parts
     for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
         v0 = (tidx // cfg.k) * span
@@ -108,7 +113,7 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
                 acc = acc + sPart[j, tidx]
             mDgt[tile, hv, tidx] = acc
 
-    thr = mma4.get_slice(tidx)
+    thr = mma_wide.get_slice(tidx)
     ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
     ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), cfg.dtype)
     # Operand views, (M or N, K) each: K-major ones take plain ldmatrix, MN-major ones ldmatrix.trans.
@@ -122,7 +127,7 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sDT = cute.composition(sD, cute.make_layout((cfg.k, cfg.v), stride=(cfg.v, 1)))
 
     # ---- R = V - Kd S (16 x V) ----
-    acc_r = gemm(mma4, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
+    acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
     coord_v = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.v)))
     for i in cutlass.range_constexpr(cute.size(acc_r)):
         r = coord_v[i][0]
@@ -132,8 +137,8 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
             x = mV[t0 + r, hv, c].to(cutlass.Float32) - acc_r[i]
         sR[r, c] = x.to(cfg.dtype)
     # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
-    acc_d = gemm(mma4, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
-    acc_d2 = gemm(mma4, thr, tidx, sAkt, sD, ldsm, ldsm, cfg.bt, cfg.v, cfg.k)
+    acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
+    acc_d2 = gemm(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, cfg.bt, cfg.v, cfg.k)
     for i in cutlass.range_constexpr(cute.size(acc_d)):
         r = coord_v[i][0]
         c = coord_v[i][1]
@@ -145,9 +150,9 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
 
     # ---- dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T (16 x K) ----
     coord_k = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.k)))
-    acc_q = gemm(mma4, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-    acc_k = gemm(mma4, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-    acc_a = gemm(mma4, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
+    acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
+    acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
+    acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
     for i in cutlass.range_constexpr(cute.size(acc_q)):
         r = coord_k[i][0]
         c = coord_k[i][1]
@@ -195,20 +200,10 @@ def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cut
                cols: cutlass.Constexpr, dtype: cutlass.Constexpr, threads: cutlass.Constexpr):
     # Rows t0 .. t0 + rows of head hv (bt x cols of the MMA type) into sDst by cp.async, 16 bytes a copy;
     # the rows past the tile's end are zero-filled (no read past the tensor).
-    copy = row_copy(dtype, cols, min(threads, bt * cols * dtype.width // 128))
-    per_row = cols * dtype.width // 128
-    active = bt * per_row
+    active = bt * cols * dtype.width // 128  # 16-byte copies of the tile
     if tidx < active:
-        thr = copy.get_slice(tidx)
         g = cute.local_tile(cute.domain_offset((t0, 0), mSrc[None, hv, None]), (bt, cols), (0, 0))
-        tg = thr.partition_S(g)
-        ts = thr.partition_D(sDst)
-        tc = thr.partition_S(cute.make_identity_tensor((bt, cols)))
-        for m in cutlass.range_constexpr(cute.size(tc.shape[1])):
-            if cute.elem_less(tc[0, m, 0][0], rows):
-                cute.copy(copy, tg[None, m, None], ts[None, m, None])
-            else:
-                ts[None, m, None].fill(0)
+        load_tile(row_copy(dtype, cols, min(threads, active)), tidx, g, sDst, rows)
 
 
 @cute.jit
