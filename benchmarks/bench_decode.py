@@ -7,7 +7,10 @@ Rows: HV in {32, 64} (H = HV, K = V = 128), N requests in {1, 8, 32, 128, 256}, 
 (`bench_fwd.graph_ms`); the floor is the pool's bytes read and written (S + 1 state copies a request for
 S > 1, two for S = 1) over the card's HBM bandwidth.
 
-    python benchmarks/bench_decode.py [--spec specs/sm90.yaml:k128] [--quick] [--out DIR]
+    python benchmarks/bench_decode.py [--spec specs/sm90.yaml:k128] [--quick] [--paths] [--out DIR]
+
+`kdagen us` is the automatic choice between the decode stages; `--paths` also times each of them forced
+(one CTA an item; the streaming grid, where the variant has it).
 
 Output: a table on stdout and JSON + Markdown in `benchmarks/out/` (git-ignored; commit a run by copying
 it into benchmarks/results/<card>/).
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="specs/sm90.yaml:k128", help="kdagen spec reference (file.yaml:name)")
     ap.add_argument("--quick", action="store_true", help="N in {1, 32, 256}, S in {1, 4}")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    ap.add_argument("--paths", action="store_true", help="also time each decode stage forced")
     ap.add_argument(
         "--hbm-tbps", type=float, default=None, help="HBM bandwidth for the floor (default: card)"
     )
@@ -130,8 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     import kdagen
 
     card = bench_fwd.detect_card(args.hbm_tbps, None)
+    from kdagen.policy import SchedulePolicy
+
     kernel = kdagen.get_kernel(args.spec)
     spec = kernel.spec
+    forced = {}
+    if args.paths:
+        forced["per-item"] = kernel.with_policy(SchedulePolicy(decode_stream="off"))
+        if kernel._decode_stream is not None:
+            forced["streaming"] = kernel.with_policy(SchedulePolicy(decode_stream="on"))
     try:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-not-found]
     except Exception as e:  # ImportError, or a broken Triton install
@@ -139,8 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FLA not available ({type(e).__name__}: {e}); kdagen only")
     ns, ss = ((1, 32, 256), (1, 4)) if args.quick else (NS, SS)
     rows = []
-    cols = (("HV", 3), ("N", 4), ("S", 2), ("kdagen us", 10), ("FLA us", 9), ("speedup", 8), ("floor us", 9),
-            ("x floor", 8))
+    cols = (
+        ("HV", 3),
+        ("N", 4),
+        ("S", 2),
+        ("kdagen us", 10),
+        *((f"{p} us", 13) for p in forced),
+        ("FLA us", 9),
+        ("speedup", 8),
+        ("floor us", 9),
+        ("x floor", 8),
+    )
     head = " ".join(f"{name:>{width}}" for name, width in cols)
     print(
         f"{card.name}: {args.spec} ({spec.state_layout}, {spec.state_dtype} state; FLA: fp32), CUDA-graph "
@@ -152,16 +172,25 @@ def main(argv: list[str] | None = None) -> int:
                 for s in ss:
                     inp = make_inputs(spec, hv, n, s)
                     ours = bench_fwd.graph_ms(kdagen_call(kernel, inp, s)) * 1e3
+                    paths = {p: bench_fwd.graph_ms(kdagen_call(kv, inp, s)) * 1e3 for p, kv in forced.items()}
                     theirs = None
                     if fused_recurrent_kda_fwd is not None:
                         theirs = bench_fwd.graph_ms(fla_call(fused_recurrent_kda_fwd, spec, inp, s)) * 1e3
-                    fl = floor_us(hv, n, s, spec.head_dim_k, spec.head_dim_v, card.hbm_tbps or 3.35,
-                                  DTYPES[spec.state_dtype].nbytes)
+                    fl = floor_us(
+                        hv,
+                        n,
+                        s,
+                        spec.head_dim_k,
+                        spec.head_dim_v,
+                        card.hbm_tbps or 3.35,
+                        DTYPES[spec.state_dtype].nbytes,
+                    )
                     row = {
                         "hv": hv,
                         "n": n,
                         "s": s,
                         "kdagen_us": ours,
+                        "paths_us": paths,
                         "fla_us": theirs,
                         "floor_us": fl,
                         "speedup": theirs / ours if theirs else None,
@@ -171,14 +200,21 @@ def main(argv: list[str] | None = None) -> int:
                     sp = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
                     fla_txt = f"{theirs:9.1f}" if theirs else f"{'-':>9}"
                     print(
-                        f"{hv:>3} {n:>4} {s:>2} {ours:10.1f} {fla_txt} {sp:>8} {fl:9.1f} "
+                        f"{hv:>3} {n:>4} {s:>2} {ours:10.1f} "
+                        + "".join(f"{us:13.1f} " for us in paths.values())
+                        + f"{fla_txt} {sp:>8} {fl:9.1f} "
                         f"{row['x_floor']:7.2f}x",
                         flush=True,
                     )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    meta = {"card": card.name, "spec": args.spec, "state_layout": spec.state_layout,
-            "state_dtype": spec.state_dtype, "date": stamp}
+    meta = {
+        "card": card.name,
+        "spec": args.spec,
+        "state_layout": spec.state_layout,
+        "state_dtype": spec.state_dtype,
+        "date": stamp,
+    }
     (args.out / f"decode-{card.slug}-{stamp}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1)
     )
@@ -188,14 +224,18 @@ def main(argv: list[str] | None = None) -> int:
         f"kdagen's state: {spec.state_dtype}, {spec.state_layout}; FLA's: fp32. The floor: the kdagen pool's "
         "bytes read and written over the card's HBM bandwidth.",
         "",
-        "| HV | N | S | kdagen us | FLA us | speedup | floor us | x floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| HV | N | S | kdagen us | "
+        + "".join(f"{p} us | " for p in forced)
+        + "FLA us | speedup | floor us | x floor |",
+        "|---|---|---|---|" + "---|" * len(forced) + "---|---|---|---|",
     ]
     for r in rows:
         fla_txt = f"{r['fla_us']:.1f}" if r["fla_us"] else "-"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         lines.append(
-            f"| {r['hv']} | {r['n']} | {r['s']} | {r['kdagen_us']:.1f} | {fla_txt} | {sp} | "
+            f"| {r['hv']} | {r['n']} | {r['s']} | {r['kdagen_us']:.1f} | "
+            + "".join(f"{us:.1f} | " for us in r["paths_us"].values())
+            + f"{fla_txt} | {sp} | "
             f"{r['floor_us']:.1f} | {r['x_floor']:.2f}x |"
         )
     (args.out / f"decode-{card.slug}-{stamp}.md").write_text("\n".join(lines) + "\n")

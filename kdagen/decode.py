@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdagen.policy import decode_streams
 from kdagen.runtime import (
     _check_no_grad,
     _compact,
@@ -198,8 +199,14 @@ def run_decode(
     if gate_args:
         gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
     qf, kf, vf, gf, bf = (_tokens(x) for x in (q, k, v, g, beta))
+    args = (qf, kf, vf, gf, bf, *gate_args, cu, idx, acc, init, state_pool, o.view(total, hv, vdim),
+            float(scale), per_seq, int(num_accepted_tokens is not None), int(has_initial_state is not None),
+            int(bool(update_state)))
+    items = nreq * hv
+    sms = kernel._sm_count(device)
     with kernel._stream_scope(device):
-        kernel._decode(qf, kf, vf, gf, bf, *gate_args, cu, idx, acc, init, state_pool,
-                       o.view(total, hv, vdim), float(scale), per_seq, int(num_accepted_tokens is not None),
-                       int(has_initial_state is not None), int(bool(update_state)))
+        if decode_streams(items, sms, kernel._decode_stream is not None, kernel.policy):
+            kernel._decode_stream(*args, min(items, sms))
+        else:
+            kernel._decode(*args)
     return o

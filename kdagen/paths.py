@@ -20,8 +20,9 @@ Environment variables (read on every call, so tests and long-lived processes see
   `kdagen.get_kernel` of a process: a bundle's manifest is checked when it is loaded, not per call.
 
 The scheduling variables (``KDAGEN_INTRACARD_CP``, ``KDAGEN_OVERLAP``, ``KDAGEN_FUSED``,
-``KDAGEN_FUSED_PAIR``, ``KDAGEN_SEQ_ORDER``; `SCHEDULE_ENV`) are different: an override of the default
-`kdagen.policy.SchedulePolicy` for experiments, read once per process by `kdagen.policy.default_policy`.
+``KDAGEN_FUSED_PAIR``, ``KDAGEN_SEQ_ORDER``, ``KDAGEN_DECODE_STREAM``; `SCHEDULE_ENV`) are different: an
+override of the default `kdagen.policy.SchedulePolicy` for experiments, read once per process by
+`kdagen.policy.default_policy`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "ENV_FUSED",
     "ENV_FUSED_PAIR",
     "ENV_SEQ_ORDER",
+    "ENV_DECODE_STREAM",
     "ENV_GENERATED_DIR",
     "package_dir",
     "repo_root",
@@ -68,6 +70,7 @@ ENV_OVERLAP = "KDAGEN_OVERLAP"
 ENV_FUSED = "KDAGEN_FUSED"
 ENV_FUSED_PAIR = "KDAGEN_FUSED_PAIR"
 ENV_SEQ_ORDER = "KDAGEN_SEQ_ORDER"
+ENV_DECODE_STREAM = "KDAGEN_DECODE_STREAM"
 # The scheduling override (kdagen.policy): SchedulePolicy field -> environment variable.
 SCHEDULE_ENV = {
     "intracard_cp": ENV_INTRACARD_CP,
@@ -75,6 +78,7 @@ SCHEDULE_ENV = {
     "fused": ENV_FUSED,
     "fused_pair": ENV_FUSED_PAIR,
     "seq_order": ENV_SEQ_ORDER,
+    "decode_stream": ENV_DECODE_STREAM,
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -25,6 +25,10 @@ BLOCK_V = 64
 DECODE_BLOCK_V = 64
 # Shared memory of the decode stage besides a bulk-copied slot: the token's q, k and decays, sums, a barrier.
 DECODE_SMEM_EXTRA = 4096
+# Streaming decode (`decode_stream`): at most this many item states in its shared-memory ring, and this many
+# tokens' inputs staged ahead (one item of the longest verify, eight tokens).
+DECODE_STREAM_MAX_STAGES = 8
+DECODE_TOKEN_STAGES = 8
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
@@ -142,6 +146,14 @@ def _prepare_warp_smem(spec: KernelSpec) -> int:
     per_warp += CHUNK * k * 2  # kr (fp16, swizzled)
     per_warp += CHUNK * 16 * nbytes(spec.g_dtype) + CHUNK * 4  # a block of g, beta
     return per_warp
+
+
+def _decode_stream_extra(spec: KernelSpec) -> int:
+    # Shared memory of the streaming decode besides its state ring: the token ring (fp32 rows of q, k, decays,
+    # v and beta), the per-stage slot records, the mbarriers, and alignment slack.
+    row_bytes = (3 * spec.head_dim_k + spec.head_dim_v + 4) * 4
+    records = DECODE_STREAM_MAX_STAGES * (16 + 16) + DECODE_TOKEN_STAGES * 16
+    return DECODE_TOKEN_STAGES * row_bytes + records + 1024
 
 
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
@@ -441,6 +453,26 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="decode: a few tokens a request on a slot-indexed state pool, in place",
     )
+    # Streaming decode (templates/common/decode_stream.py.j2), for calls with many (request, value head)
+    # items: a persistent CTA an SM whose loader warp bulk-copies the items' states into a ring as deep as
+    # shared memory allows while the value columns work on earlier ones. The K-first layout (conflict-free
+    # columns in shared memory) on targets with bulk copies; the runtime picks it by the item count
+    # (`kdagen.policy.decode_streams`).
+    stream_stages = 0
+    if spec.arch_info.has_bulk_copy and spec.state_layout == "kv":
+        ring_bytes = spec.arch_info.smem_bytes_per_block - _decode_stream_extra(spec)
+        stream_stages = min(DECODE_STREAM_MAX_STAGES, ring_bytes // slot_bytes)
+    decode_stream = (StagePlan(
+        "decode_stream",
+        "common/decode_stream.py.j2",
+        {
+            **{key: val for key, val in decode.params.items() if key not in ("block_v", "bulk")},
+            "stages": stream_stages,
+            "token_stages": DECODE_TOKEN_STAGES,
+        },
+        note=f"decode on many items: a persistent grid streaming {stream_stages} states ahead through "
+        "shared memory",
+    ),) if stream_stages >= 2 else ()
     # The backward's prepare (templates/mma_sync/bwd_prepare.py.j2): the variant's prepare kernel, which also
     # writes every tile's Mqk and Akk for bwd_grads (formed once, on tensor cores, instead of again there).
     bwd_prepare = StagePlan(
@@ -476,6 +508,6 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
-    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, bwd_prepare,
-              bwd_scan, bwd_tile, bwd_grads)
+    stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, *decode_stream,
+              bwd_prepare, bwd_scan, bwd_tile, bwd_grads)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

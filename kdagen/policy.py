@@ -11,8 +11,9 @@ against a recorded GPU sweep (`benchmarks/bench_policy.py --check`).
 `SchedulePolicy` says, per switch, "auto" (the decision functions choose) or a forced choice. A kernel holds
 one (`KDAKernel.policy`, default `default_policy()`); `KDAKernel.with_policy(p)` returns a view with another,
 and a call takes ``policy=`` for itself. The environment variables ``KDAGEN_INTRACARD_CP``,
-``KDAGEN_OVERLAP``, ``KDAGEN_FUSED``, ``KDAGEN_FUSED_PAIR`` and ``KDAGEN_SEQ_ORDER`` are an override for
-experiments: `default_policy()` reads them once (at its first use in the process) and never again.
+``KDAGEN_OVERLAP``, ``KDAGEN_FUSED``, ``KDAGEN_FUSED_PAIR``, ``KDAGEN_SEQ_ORDER`` and
+``KDAGEN_DECODE_STREAM`` are an override for experiments: `default_policy()` reads them once (at its first
+use in the process) and never again.
 
 The intra-card CP choice is a cost model (`CostModel`): the estimated time of the whole-sequence path and of
 CP at each candidate segment length, from the sizes; the cheapest wins. Its constants are per-step costs in
@@ -55,6 +56,8 @@ __all__ = [
     "device_picks_fused",
     "by_length",
     "overlap",
+    "decode_streams",
+    "DECODE_STREAM_ITEMS_PER_SM",
 ]
 
 _TOGGLE = ("auto", "on", "off")
@@ -79,6 +82,9 @@ class SchedulePolicy:
       each at once, where the variant has the pair form), "off" (one CTA a chain always).
     - ``seq_order``: "auto" (longest first when the recurrence grid does not fit the SMs at once), "length"
       (longest first whenever there are 2 to 4096 sequences), "input" (the order of ``cu_seqlens``).
+    - ``decode_stream``: "auto" (a decode call with many (request, value head) items runs the streaming
+      decode stage, where the variant has it; `decode_streams`), "on" (always, where it has it), "off" (the
+      one-CTA-an-item decode stage).
 
     Validated on construction (`ValueError` naming the field). Frozen and hashable: a kernel caches its
     decisions per policy and call size.
@@ -89,6 +95,7 @@ class SchedulePolicy:
     fused: str = "auto"
     fused_pair: str = "auto"
     seq_order: str = "auto"
+    decode_stream: str = "auto"
 
     def __post_init__(self) -> None:
         cp = self.intracard_cp
@@ -98,7 +105,7 @@ class SchedulePolicy:
             raise ValueError(f"intracard_cp: expected 'auto', 'off' or a positive multiple of {CHUNK} "
                              f"(a segment length in tokens), got {cp!r}")
         for name, allowed in (("overlap", _TOGGLE), ("fused", _TOGGLE), ("fused_pair", _TOGGLE),
-                              ("seq_order", _ORDER)):
+                              ("seq_order", _ORDER), ("decode_stream", _TOGGLE)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}: expected {_choices(allowed)}, got {value!r}")
@@ -449,3 +456,16 @@ def schedule(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, policy:
     rec_ctas = nseq * hv * facts.v_slices
     return Schedule(None, overlap(rec_ctas, sms, policy), by_length(nseq, rec_ctas, sms, policy),
                     fused_args(nseq, hv, total, sms, facts, policy, costs))
+
+
+# A decode call streams (`decode_streams`) from this many (request, value head) items an SM: below it the
+# one-CTA-an-item stage's shorter latency wins (docs/experiments.md, "Decode: a streaming grid").
+DECODE_STREAM_ITEMS_PER_SM = 2
+
+
+def decode_streams(items: int, sms: int, has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:
+    """Whether a decode call of `items` (request, value head) pairs runs the streaming decode stage (a
+    persistent grid of at most `sms` CTAs) rather than one CTA an item; `has_stage`: the variant has it."""
+    if not has_stage or policy.decode_stream == "off":
+        return False
+    return policy.decode_stream == "on" or items >= DECODE_STREAM_ITEMS_PER_SM * sms

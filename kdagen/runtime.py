@@ -575,6 +575,7 @@ class KDAKernel:
         self._prepare = stages["prepare"]  # alone, for the intra-card CP path
         self._cp = (stages["cp_prescan"], stages["cp_merge"], stages["cp_segments"])
         self._decode = stages.get("decode")  # a few tokens a request on a state pool (kdagen.decode)
+        self._decode_stream = stages.get("decode_stream")  # the same, streamed by a persistent grid
         self._bwd_prepare = stages.get("bwd_prepare")  # prepare, also writing the tiles' Mqk and Akk
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
         self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time

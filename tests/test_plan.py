@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kdagen.arch import get_arch
-from kdagen.plan import BWD_GRADS_MIN_REGS, _prepare_warp_smem, make_plan
+from kdagen.plan import BWD_GRADS_MIN_REGS, DECODE_STREAM_MAX_STAGES, _prepare_warp_smem, make_plan
 from kdagen.spec import KernelSpec
 
 
@@ -29,6 +29,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "cp_merge": "mma_sync/cp_merge.py.j2",
         "cp_segments": "mma_sync/recurrence.py.j2",
         "decode": "common/decode.py.j2",
+        "decode_stream": "common/decode_stream.py.j2",
         "bwd_prepare": "mma_sync/bwd_prepare.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
         "bwd_tile": "mma_sync/bwd_tile.py.j2",
@@ -57,6 +58,9 @@ def test_other_targets_are_mma_sync(arch: str):
     templates = _templates(KernelSpec(arch=arch))
     assert templates.pop("forward") == "common/forward.py.j2"
     assert templates.pop("decode") == "common/decode.py.j2"
+    # the streaming decode needs bulk copies: sm_100a has them, sm_80 and sm_89 do not
+    stream = templates.pop("decode_stream", None)
+    assert stream == ("common/decode_stream.py.j2" if arch == "sm_100a" else None)
     assert templates.pop("bwd_grads") == "common/bwd_grads.py.j2"
     assert all(t.startswith("mma_sync/") for t in templates.values())
 
@@ -69,8 +73,9 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     names = [s.name for s in plan.stages]
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
+    stream = ["decode_stream"] if arch == "sm_90a" else []
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
-                                "bwd_prepare", "bwd_scan", "bwd_tile", "bwd_grads"]
+                                *stream, "bwd_prepare", "bwd_scan", "bwd_tile", "bwd_grads"]
 
 
 @pytest.mark.parametrize(
@@ -217,7 +222,7 @@ def test_beta_mode_reaches_every_stage_that_loads_beta(mode: str, arch: str, fam
     # files, do not change.
     spec = KernelSpec(arch=arch, family=family, beta=mode)
     plan = make_plan(spec)
-    loads = {"prepare", "fused", "fused_pair", "decode", "bwd_grads"}
+    loads = {"prepare", "fused", "fused_pair", "decode", "decode_stream", "bwd_grads"}
     assert {s.name: s.params["beta"] for s in plan.stages if s.name in loads} == {
         s.name: mode for s in plan.stages if s.name in loads
     }
@@ -241,3 +246,25 @@ def test_bwd_grads_runs_as_many_ctas_as_fit(arch: str, k: int):
     if arch == "sm_90a" and k == 128:
         assert ctas == 4
 
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a"])
+@pytest.mark.parametrize(("k", "v"), [(128, 128), (64, 64), (128, 64)])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_streaming_decode_ring_fits_shared_memory(arch: str, k: int, v: int, state_dtype: str, layout: str):
+    # The streaming decode exists where bulk copies do, for the K-first layout, with at least two states in
+    # its ring; the ring and the token rows fit the target's shared memory.
+    spec = KernelSpec(arch=arch, head_dim_k=k, head_dim_v=v, state_dtype=state_dtype, state_layout=layout)
+    stages = {s.name: s.params for s in make_plan(spec).stages}
+    info = get_arch(arch)
+    if not info.has_bulk_copy or layout == "vk":
+        assert "decode_stream" not in stages
+        return
+    p = stages["decode_stream"]
+    slot = k * v * (4 if state_dtype == "fp32" else 2)
+    tokens = p["token_stages"] * (3 * k + v + 4) * 4
+    assert 2 <= p["stages"] <= DECODE_STREAM_MAX_STAGES
+    assert p["stages"] * slot + tokens + 1024 <= info.smem_bytes_per_block
+    if (k, v, state_dtype) == (128, 128, "fp32"):
+        assert p["stages"] == 3  # 64 KB states

@@ -16,7 +16,8 @@ from kdagen.runtime import validate_forward_inputs
 from kdagen.spec import KernelSpec
 
 BF16 = KernelSpec(arch="sm_90a", state_dtype="bf16")
-STATEFUL = ("forward", "recurrence", "fused", "fused_pair", "cp_merge", "cp_segments", "decode")
+STATEFUL = ("forward", "recurrence", "fused", "fused_pair", "cp_merge", "cp_segments", "decode",
+            "decode_stream")
 
 
 def _tokens(n: int, t: int, h: int) -> dict[str, torch.Tensor]:

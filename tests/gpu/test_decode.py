@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kdagen.errors import InputError
+from kdagen.policy import SchedulePolicy
 from kdagen.reference import assert_close, rel_rmse
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
@@ -28,6 +29,23 @@ pytestmark = [
 ]
 
 TOL = cases.GPU_TOL
+
+
+@pytest.fixture(autouse=True, params=["off", "on"], ids=["per-item", "streaming"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both decode stages: one CTA an item, and the streaming grid (forced on, as the
+    tests' calls are too small for the automatic choice to take it)."""
+    path = request.param
+    kernel_for = cases.kernel_for
+
+    def forced(name: str) -> Any:
+        kernel = kernel_for(name)
+        if path == "on" and kernel._decode_stream is None:
+            pytest.skip(f"{name}: this variant has no streaming decode stage")
+        return kernel.with_policy(SchedulePolicy(decode_stream=path))
+
+    monkeypatch.setattr(cases, "kernel_for", forced)
+    return path
 DECODE_SPECS = [
     "lb_safe",
     "softplus",

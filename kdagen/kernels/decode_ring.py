@@ -1,0 +1,124 @@
+"""Building blocks of the streaming decode step (templates/common/decode_stream.py.j2): a persistent CTA takes
+its (request, value head) items one after another, while two warps fill rings in shared memory ahead of it,
+one with the items' states (bulk copies from the pool) and one with their tokens' inputs, ready to use.
+
+A token's ring row holds, in fp32: q scaled (and l2-normalised), k (l2-normalised), the per-key decays
+exp(g), v, and beta as the spec gives it transformed (`row_words` words, see `DecodeConfig`). The value
+columns are the consumers' threads, one each, holding the column's K state values in registers
+(`column_token`); the token recurrence is kda-math.md §2.0's.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from kdagen.kernels.gate import beta_value, decay, log_decay
+
+__all__ = ["DecodeConfig", "stage_token_warp", "column_token", "partial_sum"]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What shapes a decode token's code: head dims, the gate, beta's mode, l2norm, the dot products' ILP."""
+
+    k: int  # key head dim
+    v: int  # value head dim: the consumer threads, one value column each
+    gate: str  # "precomputed", "softplus" or "lower_bound"
+    lower_bound: float | None
+    l2norm: bool
+    beta: str  # how beta is given: "prob", "logit" or "logit_x2"
+    partial_sums: int  # independent partial sums of each dot product over K
+
+    @property
+    def row_words(self) -> int:
+        # q, k, decays (K each), v (V), beta, padded to 16 bytes
+        return 3 * self.k + self.v + 4
+
+    @property
+    def v_at(self) -> int:
+        return 3 * self.k
+
+    @property
+    def beta_at(self) -> int:
+        return 3 * self.k + self.v
+
+
+def partial_sum(parts: list) -> cutlass.Float32:
+    """The partial sums added pairwise (trace-time: the list holds `partial_sums` values)."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+@cute.jit
+def stage_token_warp(
+    mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mDtBias,
+    t: cutlass.Int32, h: cutlass.Int32, hv: cutlass.Int32, lane: cutlass.Int32, a_scale: cutlass.Float32,
+    scale: cutlass.Float32, sRow: cute.Tensor, free, free_parity: cutlass.Int32, cfg: cutlass.Constexpr,
+):
+    """One warp stages token t of (q/k head h, value head hv) into the ring row `sRow`: K / 32 keys and
+    V / 32 values a lane. The global reads and the arithmetic come first; the warp then waits for the row
+    to be free (mbarrier `free`, phase parity `free_parity`) and writes it. `mDtBias` is None for the
+    precomputed gate."""
+    kp = cfg.k // 32
+    vp = cfg.v // 32
+    rq = cute.make_rmem_tensor(cute.make_layout((kp,)), cutlass.Float32)
+    rk = cute.make_rmem_tensor(cute.make_layout((kp,)), cutlass.Float32)
+    rd = cute.make_rmem_tensor(cute.make_layout((kp,)), cutlass.Float32)
+    rv = cute.make_rmem_tensor(cute.make_layout((vp,)), cutlass.Float32)
+    ssq_q = cutlass.Float32(0.0)
+    ssq_k = cutlass.Float32(0.0)
+    for r in cutlass.range_constexpr(kp):
+        e = lane + 32 * r
+        qe = mQ[t, h, e].to(cutlass.Float32)
+        ke = mK[t, h, e].to(cutlass.Float32)
+        ssq_q = ssq_q + qe * qe
+        ssq_k = ssq_k + ke * ke
+        rq[r] = qe
+        rk[r] = ke
+        dt = cutlass.Float32(0.0)
+        if cutlass.const_expr(cfg.gate != "precomputed"):
+            dt = mDtBias[hv, e]
+        rd[r] = decay(log_decay(mG[t, hv, e].to(cutlass.Float32), dt, a_scale, cfg.gate, cfg.lower_bound))
+    for r in cutlass.range_constexpr(vp):
+        rv[r] = mV[t, hv, lane + 32 * r].to(cutlass.Float32)
+    b = beta_value(mBeta[t, hv].to(cutlass.Float32), cfg.beta)
+    sq = scale
+    sk = cutlass.Float32(1.0)
+    if cutlass.const_expr(cfg.l2norm):
+        for off in cutlass.range_constexpr(5):
+            ssq_q = ssq_q + cute.arch.shuffle_sync_bfly(ssq_q, offset=1 << off)
+            ssq_k = ssq_k + cute.arch.shuffle_sync_bfly(ssq_k, offset=1 << off)
+        sq = cute.math.rsqrt(ssq_q + 1e-6) * scale
+        sk = cute.math.rsqrt(ssq_k + 1e-6)
+    cute.arch.mbarrier_wait(free, free_parity)
+    for r in cutlass.range_constexpr(kp):
+        e = lane + 32 * r
+        sRow[e] = rq[r] * sq
+        sRow[cfg.k + e] = rk[r] * sk
+        sRow[2 * cfg.k + e] = rd[r]
+    for r in cutlass.range_constexpr(vp):
+        sRow[cfg.v_at + lane + 32 * r] = rv[r]
+    if lane == 0:
+        sRow[cfg.beta_at] = b
+
+
+@cute.jit
+def column_token(
+    rS: cute.Tensor, sRow: cute.Tensor, j: cutlass.Int32, cfg: cutlass.Constexpr
+) -> cutlass.Float32:
+    """One token on value column j, whose K state values `rS` (fp32) the thread holds: S <- Diag(exp(g)) S,
+    u = beta (v_j - k^T S), S <- S + k u; returns o_j = q^T S. Every thread reads the row's q, k and decays
+    at the same addresses (broadcasts)."""
+    kd = cfg.k
+    dots = [cutlass.Float32(0.0)] * cfg.partial_sums
+    for i in cutlass.range_constexpr(kd):
+        rS[i] = rS[i] * sRow[2 * kd + i]
+        dots[i % cfg.partial_sums] = dots[i % cfg.partial_sums] + sRow[kd + i] * rS[i]
+    u = sRow[cfg.beta_at] * (sRow[cfg.v_at + j] - partial_sum(dots))
+    accs = [cutlass.Float32(0.0)] * cfg.partial_sums
+    for i in cutlass.range_constexpr(kd):
+        rS[i] = rS[i] + sRow[kd + i] * u
+        accs[i % cfg.partial_sums] = accs[i % cfg.partial_sums] + sRow[i] * rS[i]
+    return partial_sum(accs)
