@@ -25,10 +25,12 @@ BLOCK_V = 64
 DECODE_BLOCK_V = 64
 # Shared memory of the decode stage besides a bulk-copied slot: the token's q, k and decays, sums, a barrier.
 DECODE_SMEM_EXTRA = 4096
-# Streaming decode (`decode_stream`): at most this many item states in its shared-memory ring, and this many
-# tokens' inputs staged ahead (one item of the longest verify, eight tokens).
+# Streaming decode (`decode_stream`): at most this many item states in its shared-memory ring; stager warps
+# (each a global round trip a token in flight; three keep a V = 128 CTA at 256 threads, which ptxas gives
+# all 255 registers: at 288 it allocates 32 and spills 17 KB) and the tokens each stages ahead.
 DECODE_STREAM_MAX_STAGES = 8
-DECODE_TOKEN_STAGES = 8
+DECODE_STAGERS = 3
+DECODE_TOKEN_STAGES = 4
 # Independent partial sums of each dot product over K in the decode step, so that its K multiply-adds are not
 # one dependent chain (docs/experiments.md, "Decode").
 DECODE_PARTIAL_SUMS = 4
@@ -152,8 +154,8 @@ def _decode_stream_extra(spec: KernelSpec) -> int:
     # Shared memory of the streaming decode besides its state ring: the token ring (fp32 rows of q, k, decays,
     # v and beta), the per-stage slot records, the mbarriers, and alignment slack.
     row_bytes = (3 * spec.head_dim_k + spec.head_dim_v + 4) * 4
-    records = DECODE_STREAM_MAX_STAGES * (16 + 16) + DECODE_TOKEN_STAGES * 16
-    return DECODE_TOKEN_STAGES * row_bytes + records + 1024
+    rows = DECODE_STAGERS * DECODE_TOKEN_STAGES
+    return rows * row_bytes + DECODE_STREAM_MAX_STAGES * (16 + 16) + rows * 16 + 1024
 
 
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
@@ -468,6 +470,7 @@ def make_plan(spec: KernelSpec) -> Plan:
         {
             **{key: val for key, val in decode.params.items() if key not in ("block_v", "bulk")},
             "stages": stream_stages,
+            "stagers": DECODE_STAGERS,
             "token_stages": DECODE_TOKEN_STAGES,
         },
         note=f"decode on many items: a persistent grid streaming {stream_stages} states ahead through "
