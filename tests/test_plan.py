@@ -263,7 +263,7 @@ def test_streaming_decode_ring_fits_shared_memory(arch: str, k: int, v: int, sta
         return
     p = stages["decode_stream"]
     slot = k * v * (4 if state_dtype == "fp32" else 2)
-    tokens = p["stagers"] * p["token_stages"] * (3 * k + v + 4) * 4
+    tokens = p["stagers"] * p["token_stages"] * (3 * (k + 4) + v + 4) * 4
     assert 2 <= p["stages"] <= DECODE_STREAM_MAX_STAGES
     assert p["stages"] * slot + tokens + 1024 <= info.smem_bytes_per_block
     if (k, v, state_dtype) == (128, 128, "fp32"):

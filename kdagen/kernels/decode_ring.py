@@ -3,8 +3,8 @@ its (request, value head) items one after another, while two warps fill rings in
 one with the items' states (bulk copies from the pool) and one with their tokens' inputs, ready to use.
 
 A token's ring row holds, in fp32: q scaled (and l2-normalised), k (l2-normalised), the per-key decays
-exp(g), v, and beta as the spec gives it transformed (`row_words` words, see `DecodeConfig`). The value
-columns are the consumers' threads, one each, holding the column's K state values in registers
+exp(g), v, and beta as the spec gives it transformed (`row_words` words, see `DecodeConfig`). Each value
+column is two consumer threads, each holding half of the column's K state values in registers
 (`column_token`); the token recurrence is kda-math.md §2.0's.
 """
 
@@ -15,7 +15,7 @@ import cutlass.cute as cute
 
 from kdagen.kernels.gate import beta_value, decay, log_decay
 
-__all__ = ["DecodeConfig", "stage_token_warp", "column_token", "partial_sum"]
+__all__ = ["DecodeConfig", "key_at", "stage_token_warp", "column_token", "partial_sum"]
 
 
 @dataclass(frozen=True)
@@ -23,25 +23,42 @@ class DecodeConfig:
     """What shapes a decode token's code: head dims, the gate, beta's mode, l2norm, the dot products' ILP."""
 
     k: int  # key head dim
-    v: int  # value head dim: the consumer threads, one value column each
+    v: int  # value head dim
     gate: str  # "precomputed", "softplus" or "lower_bound"
     lower_bound: float | None
     l2norm: bool
     beta: str  # how beta is given: "prob", "logit" or "logit_x2"
-    partial_sums: int  # independent partial sums of each dot product over K
+    partial_sums: int  # independent partial sums of each dot product over a thread's keys
+
+    # Two threads a value column, each with half of its keys (adjacent lanes 16 apart): twice the warps to
+    # hide shared-memory latency, half the state registers a thread. The second half of each key vector in
+    # a row starts 4 words later, so that the halves' same-time reads fall in different banks.
+    @property
+    def half(self) -> int:
+        return self.k // 2
+
+    @property
+    def vec(self) -> int:
+        # words of one key vector in a row (q, k or the decays)
+        return self.k + 4
 
     @property
     def row_words(self) -> int:
-        # q, k, decays (K each), v (V), beta, padded to 16 bytes
-        return 3 * self.k + self.v + 4
+        # q, k, decays, v (V), beta, padded to 16 bytes
+        return 3 * self.vec + self.v + 4
 
     @property
     def v_at(self) -> int:
-        return 3 * self.k
+        return 3 * self.vec
 
     @property
     def beta_at(self) -> int:
-        return 3 * self.k + self.v
+        return 3 * self.vec + self.v
+
+
+def key_at(cfg: DecodeConfig, e):
+    """Word of key e within a key vector of a row (trace-time for a constant e)."""
+    return e + 4 * (e // cfg.half)
 
 
 def partial_sum(parts: list) -> cutlass.Float32:
@@ -94,10 +111,11 @@ def stage_token_warp(
         sk = cute.math.rsqrt(ssq_k + 1e-6)
     cute.arch.mbarrier_wait(free, free_parity)
     for r in cutlass.range_constexpr(kp):
-        e = lane + 32 * r
-        sRow[e] = rq[r] * sq
-        sRow[cfg.k + e] = rk[r] * sk
-        sRow[2 * cfg.k + e] = rd[r]
+        # lanes stage keys lane + 32 r: each r lies in one half (K / 2 is a multiple of 32)
+        at = lane + key_at(cfg, 32 * r)
+        sRow[at] = rq[r] * sq
+        sRow[cfg.vec + at] = rk[r] * sk
+        sRow[2 * cfg.vec + at] = rd[r]
     for r in cutlass.range_constexpr(vp):
         sRow[cfg.v_at + lane + 32 * r] = rv[r]
     if lane == 0:
@@ -106,19 +124,23 @@ def stage_token_warp(
 
 @cute.jit
 def column_token(
-    rS: cute.Tensor, sRow: cute.Tensor, j: cutlass.Int32, cfg: cutlass.Constexpr
+    rS: cute.Tensor, sRow: cute.Tensor, j: cutlass.Int32, part: cutlass.Int32, cfg: cutlass.Constexpr
 ) -> cutlass.Float32:
-    """One token on value column j, whose K state values `rS` (fp32) the thread holds: S <- Diag(exp(g)) S,
-    u = beta (v_j - k^T S), S <- S + k u; returns o_j = q^T S. Every thread reads the row's q, k and decays
+    """One token on value column j, of whose state the thread holds keys part * K / 2 .. + K / 2 (`rS`, fp32)
+    and its partner lane (16 away) the other half: S <- Diag(exp(g)) S, u = beta (v_j - k^T S),
+    S <- S + k u; returns o_j = q^T S (both partners). Every thread of a half reads the row's q, k and decays
     at the same addresses (broadcasts)."""
-    kd = cfg.k
+    base = part * (cfg.half + 4)
     dots = [cutlass.Float32(0.0)] * cfg.partial_sums
-    for i in cutlass.range_constexpr(kd):
-        rS[i] = rS[i] * sRow[2 * kd + i]
-        dots[i % cfg.partial_sums] = dots[i % cfg.partial_sums] + sRow[kd + i] * rS[i]
-    u = sRow[cfg.beta_at] * (sRow[cfg.v_at + j] - partial_sum(dots))
+    for i in cutlass.range_constexpr(cfg.half):
+        rS[i] = rS[i] * sRow[2 * cfg.vec + base + i]
+        dots[i % cfg.partial_sums] = dots[i % cfg.partial_sums] + sRow[cfg.vec + base + i] * rS[i]
+    dot = partial_sum(dots)
+    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=16)
+    u = sRow[cfg.beta_at] * (sRow[cfg.v_at + j] - dot)
     accs = [cutlass.Float32(0.0)] * cfg.partial_sums
-    for i in cutlass.range_constexpr(kd):
-        rS[i] = rS[i] + sRow[kd + i] * u
-        accs[i % cfg.partial_sums] = accs[i % cfg.partial_sums] + sRow[i] * rS[i]
-    return partial_sum(accs)
+    for i in cutlass.range_constexpr(cfg.half):
+        rS[i] = rS[i] + sRow[cfg.vec + base + i] * u
+        accs[i % cfg.partial_sums] = accs[i % cfg.partial_sums] + sRow[base + i] * rS[i]
+    acc = partial_sum(accs)
+    return acc + cute.arch.shuffle_sync_bfly(acc, offset=16)
