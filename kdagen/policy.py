@@ -458,9 +458,11 @@ def schedule(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, policy:
                     fused_args(nseq, hv, total, sms, facts, policy, costs))
 
 
-# A decode call streams (`decode_streams`) from this many (request, value head) items an SM: below it the
-# one-CTA-an-item stage's shorter latency wins (docs/experiments.md, "Decode: a streaming grid").
-DECODE_STREAM_ITEMS_PER_SM = 2
+# A decode call streams (`decode_streams`) from this many (request, value head) items an SM: one a CTA of the
+# persistent grid. Below it both stages take about the same time for one token a request (H100, HV = 32,
+# N = 1: 6.3-6.5 us fp32, 5.7-6.2 bf16) and the per-item stage's CTAs start sooner; from N = 32 the streaming
+# stage is 1.08-1.15x faster (docs/experiments.md, "Decode: a streaming grid").
+DECODE_STREAM_ITEMS_PER_SM = 1
 
 
 def decode_streams(items: int, sms: int, has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:

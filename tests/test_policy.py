@@ -21,6 +21,7 @@ from kdagen.policy import (
     by_length,
     cp_segment_len,
     cp_time_us,
+    decode_streams,
     device_picks_fused,
     fused_args,
     overlap,
@@ -69,7 +70,8 @@ def test_default_is_all_auto():
      ({"intracard_cp": True}, "intracard_cp"), ({"intracard_cp": "1024"}, "got '1024'"),
      ({"overlap": "yes"}, "overlap: expected 'auto', 'on' or 'off', got 'yes'"),
      ({"fused": "sometimes"}, "fused: expected"), ({"fused_pair": None}, "fused_pair: expected"),
-     ({"seq_order": "sorted"}, "seq_order: expected 'auto', 'length' or 'input', got 'sorted'")],
+     ({"seq_order": "sorted"}, "seq_order: expected 'auto', 'length' or 'input', got 'sorted'"),
+     ({"decode_stream": "always"}, "decode_stream: expected 'auto', 'on' or 'off', got 'always'")],
 )
 def test_invalid_fields_are_rejected_on_construction(kwargs: dict, match: str):
     with pytest.raises(ValueError, match=match):
@@ -385,3 +387,21 @@ def test_fit_ranks_constants_by_the_check():
     best_key, best_costs, best_summary = ranked[0]
     assert best_costs.cp_margin == 1.0 and best_summary["slow"] == 0
     assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
+
+
+@pytest.mark.parametrize(
+    ("items", "has_stage", "toggle", "expected"),
+    [(32, True, "auto", False), (132, True, "auto", True), (8192, True, "auto", True),
+     (8192, False, "auto", False), (8192, False, "on", False), (32, True, "on", True),
+     (8192, True, "off", False)],
+)
+def test_decode_streams_from_one_item_an_sm(items: int, has_stage: bool, toggle: str, expected: bool):
+    # The streaming decode takes calls with at least one (request, value head) item an SM, where the variant
+    # has the stage; "on" and "off" force it (a variant without it never streams).
+    assert decode_streams(items, 132, has_stage, SchedulePolicy(decode_stream=toggle)) is expected
+
+
+def test_decode_stream_override_is_read_from_the_environment():
+    assert SchedulePolicy.from_env({"KDAGEN_DECODE_STREAM": "off"}) == SchedulePolicy(decode_stream="off")
+    with pytest.raises(ValueError, match="KDAGEN_DECODE_STREAM: expected"):
+        SchedulePolicy.from_env({"KDAGEN_DECODE_STREAM": "maybe"})
