@@ -202,11 +202,9 @@ def run_decode(
     args = (qf, kf, vf, gf, bf, *gate_args, cu, idx, acc, init, state_pool, o.view(total, hv, vdim),
             float(scale), per_seq, int(num_accepted_tokens is not None), int(has_initial_state is not None),
             int(bool(update_state)))
-    items = nreq * hv
-    sms = kernel._sm_count(device)
     with kernel._stream_scope(device):
-        if decode_streams(items, sms, kernel._decode_stream is not None, kernel.policy):
-            kernel._decode_stream(*args, min(items, sms))
+        if decode_streams(kernel._decode_stream is not None, kernel.policy):
+            kernel._decode_stream(*args, min(nreq * hv, kernel._sm_count(device)))
         else:
             kernel._decode(*args)
     return o

@@ -426,7 +426,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     )
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
-    # family's, since it uses no tensor cores (one thread a value column, the state column in registers).
+    # family's, since it uses no tensor cores (one thread a value column, the state column in registers); the
+    # runtime takes it where the streaming stage below does not exist (the V-first layout, sm_80/sm_89).
     # On sm_90 and later a CTA takes a whole head (K >= V, so that the V threads stage the token's K inputs
     # in whole rounds): fewer, larger CTAs, 0.93-0.96x FLA's fp32 step at N >= 128 against 0.87-0.92x with
     # two CTAs a head. A bf16 state with the K-first layout moves its slot between the pool and shared
@@ -458,8 +459,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     # Streaming decode (templates/common/decode_stream.py.j2), for calls with many (request, value head)
     # items: a persistent CTA an SM whose loader warp bulk-copies the items' states into a ring as deep as
     # shared memory allows while the value columns work on earlier ones. The K-first layout (conflict-free
-    # columns in shared memory) on targets with bulk copies; the runtime picks it by the item count
-    # (`kdagen.policy.decode_streams`).
+    # columns in shared memory) on targets with bulk copies; the runtime takes it wherever it exists
+    # (`kdagen.policy.decode_streams`), the per-item stage otherwise.
     stream_stages = 0
     if spec.arch_info.has_bulk_copy and spec.state_layout == "kv":
         ring_bytes = spec.arch_info.smem_bytes_per_block - _decode_stream_extra(spec)

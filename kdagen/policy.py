@@ -57,7 +57,6 @@ __all__ = [
     "by_length",
     "overlap",
     "decode_streams",
-    "DECODE_STREAM_ITEMS_PER_SM",
 ]
 
 _TOGGLE = ("auto", "on", "off")
@@ -82,9 +81,8 @@ class SchedulePolicy:
       each at once, where the variant has the pair form), "off" (one CTA a chain always).
     - ``seq_order``: "auto" (longest first when the recurrence grid does not fit the SMs at once), "length"
       (longest first whenever there are 2 to 4096 sequences), "input" (the order of ``cu_seqlens``).
-    - ``decode_stream``: "auto" (a decode call with many (request, value head) items runs the streaming
-      decode stage, where the variant has it; `decode_streams`), "on" (always, where it has it), "off" (the
-      one-CTA-an-item decode stage).
+    - ``decode_stream``: "auto" and "on" (a decode call runs the streaming decode stage where the variant
+      has it; `decode_streams`), "off" (the one-CTA-an-item decode stage).
 
     Validated on construction (`ValueError` naming the field). Frozen and hashable: a kernel caches its
     decisions per policy and call size.
@@ -458,16 +456,12 @@ def schedule(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, policy:
                     fused_args(nseq, hv, total, sms, facts, policy, costs))
 
 
-# A decode call streams (`decode_streams`) from this many (request, value head) items an SM: one a CTA of the
-# persistent grid. Below it both stages take about the same time for one token a request (H100, HV = 32,
-# N = 1: 6.3-6.5 us fp32, 5.7-6.2 bf16) and the per-item stage's CTAs start sooner; from N = 32 the streaming
-# stage is 1.08-1.15x faster (docs/experiments.md, "Decode: a streaming grid").
-DECODE_STREAM_ITEMS_PER_SM = 1
-
-
-def decode_streams(items: int, sms: int, has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:
-    """Whether a decode call of `items` (request, value head) pairs runs the streaming decode stage (a
-    persistent grid of at most `sms` CTAs) rather than one CTA an item; `has_stage`: the variant has it."""
+def decode_streams(has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:
+    """Whether a decode call runs the streaming decode stage (a persistent grid) rather than one CTA an item;
+    `has_stage`: the variant has it. "auto" streams whenever it can: on an H100 it is within 3% of the
+    per-item stage or faster at every size but verify steps of 8 tokens on 8-32 requests (up to 22% slower
+    there), 1.08-1.15x faster from 32 requests and up to 1.3x at 1 request of 8 tokens (docs/experiments.md,
+    "Decode: a streaming grid")."""
     if not has_stage or policy.decode_stream == "off":
         return False
-    return policy.decode_stream == "on" or items >= DECODE_STREAM_ITEMS_PER_SM * sms
+    return True

@@ -389,16 +389,12 @@ def test_fit_ranks_constants_by_the_check():
     assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
 
 
-@pytest.mark.parametrize(
-    ("items", "has_stage", "toggle", "expected"),
-    [(32, True, "auto", False), (132, True, "auto", True), (8192, True, "auto", True),
-     (8192, False, "auto", False), (8192, False, "on", False), (32, True, "on", True),
-     (8192, True, "off", False)],
-)
-def test_decode_streams_from_one_item_an_sm(items: int, has_stage: bool, toggle: str, expected: bool):
-    # The streaming decode takes calls with at least one (request, value head) item an SM, where the variant
-    # has the stage; "on" and "off" force it (a variant without it never streams).
-    assert decode_streams(items, 132, has_stage, SchedulePolicy(decode_stream=toggle)) is expected
+@pytest.mark.parametrize(("has_stage", "toggle", "expected"),
+                         [(True, "auto", True), (True, "on", True), (True, "off", False),
+                          (False, "auto", False), (False, "on", False)])
+def test_decode_streams_where_the_variant_has_the_stage(has_stage: bool, toggle: str, expected: bool):
+    # "auto" and "on" take the streaming decode where the variant has it; "off" the per-item stage.
+    assert decode_streams(has_stage, SchedulePolicy(decode_stream=toggle)) is expected
 
 
 def test_decode_stream_override_is_read_from_the_environment():

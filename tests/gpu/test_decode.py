@@ -33,8 +33,8 @@ TOL = cases.GPU_TOL
 
 @pytest.fixture(autouse=True, params=["off", "on"], ids=["per-item", "streaming"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs on both decode stages: one CTA an item, and the streaming grid (forced on, as the
-    tests' calls are too small for the automatic choice to take it)."""
+    """Every test runs on both decode stages: one CTA an item (forced), and the streaming grid (the automatic
+    choice where the variant has it; skipped where it has not)."""
     path = request.param
     kernel_for = cases.kernel_for
 
