@@ -323,3 +323,26 @@ def test_recurrence_registers_match_the_plan(tmp_path: Path, family: str):
     regs = _kernel_registers(cubins[0].read_bytes())
     assumed = kdagen.plan._RECURRENCE_CTA[family][1]
     assert regs and max(regs) <= assumed, f"{family} recurrence: {regs} registers, the plan assumes {assumed}"
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_streaming_decode_keeps_its_columns_in_registers(tmp_path: Path, state_dtype: str):
+    """The sm_90a streaming decode (K = V = 128): its states arrive by bulk copies completing on mbarriers,
+    its CTA has the planned threads (two a value column, a loader and the stager warps), and ptxas gives each
+    thread room for its half column (more than 64 registers, within the 65536 / threads an SM allows; past
+    256 threads it can fall back to 32 registers and spill every column)."""
+    spec = KernelSpec(arch="sm_90a", state_dtype=state_dtype)
+    plan, rendered, _key, _parts = kdagen.build.describe(spec)
+    params = {s.name: s.params for s in plan.stages}["decode_stream"]
+    src, dump = tmp_path / "src", tmp_path / "dump"
+    src.mkdir()
+    dump.mkdir()  # the DSL writes nothing (and says nothing) when --dump-dir does not exist
+    (src / "decode_stream.py").write_text(rendered["decode_stream.py"])
+    options = f"--keep-cubin --keep-ptx --dump-dir {dump}"
+    kdagen.compile.compile_stage_file(src / "decode_stream.py", "sm_90a", extra_options=options)
+    ptx = next(dump.glob("*.ptx")).read_text()
+    threads = 2 * spec.head_dim_v + 32 * (1 + params["stagers"])
+    assert f".reqntid {threads}, 1, 1" in ptx
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    regs = _kernel_registers(next(dump.glob("*.cubin")).read_bytes())
+    assert regs and 64 < max(regs) <= 65536 // threads, f"{regs} registers at {threads} threads"
