@@ -474,8 +474,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "stagers": DECODE_STAGERS,
             "token_stages": DECODE_TOKEN_STAGES,
         },
-        note=f"decode on many items: a persistent grid streaming {stream_stages} states ahead through "
-        "shared memory",
+        note=f"decode, taken wherever it exists: a persistent grid streaming {stream_stages} states ahead "
+        "through shared memory",
     ),) if stream_stages >= 2 else ()
     # The backward's prepare (templates/mma_sync/bwd_prepare.py.j2): the variant's prepare kernel, which also
     # writes every tile's Mqk and Akk for bwd_grads (formed once, on tensor cores, instead of again there).
