@@ -458,11 +458,10 @@ def make_plan(spec: KernelSpec) -> Plan:
     )
     # Streaming decode (templates/common/decode_stream.py.j2), for calls with many (request, value head)
     # items: a persistent CTA an SM whose loader warp bulk-copies the items' states into a ring as deep as
-    # shared memory allows while the value columns work on earlier ones. The K-first layout (conflict-free
-    # columns in shared memory) on targets with bulk copies; the runtime takes it wherever it exists
-    # (`kdagen.policy.decode_streams`), the per-item stage otherwise.
+    # shared memory allows while the consumers work on earlier ones. Targets with bulk copies; the runtime
+    # takes it wherever it exists (`kdagen.policy.decode_streams`), the per-item stage otherwise.
     stream_stages = 0
-    if spec.arch_info.has_bulk_copy and spec.state_layout == "kv":
+    if spec.arch_info.has_bulk_copy:
         ring_bytes = spec.arch_info.smem_bytes_per_block - _decode_stream_extra(spec)
         stream_stages = min(DECODE_STREAM_MAX_STAGES, ring_bytes // slot_bytes)
     decode_stream = (StagePlan(

@@ -253,12 +253,12 @@ def test_bwd_grads_runs_as_many_ctas_as_fit(arch: str, k: int):
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_streaming_decode_ring_fits_shared_memory(arch: str, k: int, v: int, state_dtype: str, layout: str):
-    # The streaming decode exists where bulk copies do, for the K-first layout, with at least two states in
-    # its ring; the ring and the token rows fit the target's shared memory.
+    # The streaming decode exists where bulk copies do, for both layouts, with at least two states in its
+    # ring; the ring and the token rows fit the target's shared memory.
     spec = KernelSpec(arch=arch, head_dim_k=k, head_dim_v=v, state_dtype=state_dtype, state_layout=layout)
     stages = {s.name: s.params for s in make_plan(spec).stages}
     info = get_arch(arch)
-    if not info.has_bulk_copy or layout == "vk":
+    if not info.has_bulk_copy:
         assert "decode_stream" not in stages
         return
     p = stages["decode_stream"]

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 
 from kdagen.kernels.gate import beta_value, decay, log_decay
 
-__all__ = ["DecodeConfig", "key_at", "stage_token_warp", "column_token", "partial_sum"]
+__all__ = ["DecodeConfig", "key_at", "stage_token_warp", "column_token", "rows_token", "warp_sum", "partial_sum"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +144,47 @@ def column_token(
         accs[i % cfg.partial_sums] = accs[i % cfg.partial_sums] + sRow[base + i] * rS[i]
     acc = partial_sum(accs)
     return acc + cute.arch.shuffle_sync_bfly(acc, offset=16)
+
+
+@cute.jit
+def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
+    """`x` summed over the warp, in every lane (butterflies)."""
+    for off in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
+    return x
+
+
+@cute.jit
+def rows_token(
+    rS: cute.Tensor, sRow: cute.Tensor, j0: cutlass.Int32, lane: cutlass.Int32, rows: cutlass.Constexpr,
+    cfg: cutlass.Constexpr,
+) -> cutlass.Float32:
+    """One token on the V-first state rows j0 .. j0 + rows of a warp (a row is a value column's K keys,
+    contiguous in the pool): lane l holds keys l * K / 32 .. of every row (`rS`, row-major), so that its
+    shared-memory reads of the row ring and of the state are contiguous across the warp. Per row:
+    S <- Diag(exp(g)) S, u = beta (v - k^T S) (the dot product summed over the warp), S <- S + k u,
+    o = q^T S. Returns o of row j0 + l in lanes l < rows."""
+    kl = cfg.k // 32
+    e0 = key_at(cfg, lane * kl)  # a lane's keys lie in one half
+    q = [sRow[e0 + c] for c in range(kl)]
+    k = [sRow[cfg.vec + e0 + c] for c in range(kl)]
+    d = [sRow[2 * cfg.vec + e0 + c] for c in range(kl)]
+    b = sRow[cfg.beta_at]
+    dots = []
+    for r in cutlass.range_constexpr(rows):
+        acc = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(kl):
+            rS[r * kl + c] = rS[r * kl + c] * d[c]
+            acc = acc + k[c] * rS[r * kl + c]
+        dots.append(acc)
+    dots = [warp_sum(x) for x in dots]
+    out = cutlass.Float32(0.0)
+    for r in cutlass.range_constexpr(rows):
+        u = b * (sRow[cfg.v_at + j0 + r] - dots[r])
+        acc = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(kl):
+            rS[r * kl + c] = rS[r * kl + c] + k[c] * u
+            acc = acc + q[c] * rS[r * kl + c]
+        acc = warp_sum(acc)
+        out = cutlass.select_(lane == r, acc, out)
+    return out
