@@ -427,7 +427,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
     # family's, since it uses no tensor cores (one thread a value column, the state column in registers); the
-    # runtime takes it where the streaming stage below does not exist (the V-first layout, sm_80/sm_89).
+    # runtime takes it where the streaming stage below does not exist (targets without bulk copies: sm_80,
+    # sm_89).
     # On sm_90 and later a CTA takes a whole head (K >= V, so that the V threads stage the token's K inputs
     # in whole rounds): fewer, larger CTAs, 0.93-0.96x FLA's fp32 step at N >= 128 against 0.87-0.92x with
     # two CTAs a head. A bf16 state with the K-first layout moves its slot between the pool and shared
