@@ -15,7 +15,9 @@ import cutlass.cute as cute
 
 from kdagen.kernels.gate import beta_value, decay, log_decay
 
-__all__ = ["DecodeConfig", "key_at", "stage_token_warp", "column_token", "rows_token", "warp_sum", "partial_sum"]
+__all__ = [
+    "DecodeConfig", "key_at", "stage_token_warp", "column_token", "rows_token", "warp_sum", "partial_sum",
+]
 
 
 @dataclass(frozen=True)
