@@ -462,6 +462,4 @@ def decode_streams(has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:
     per-item stage or faster at every size but verify steps of 8 tokens on 8-32 requests (up to 22% slower
     there), 1.08-1.15x faster from 32 requests and up to 1.3x at 1 request of 8 tokens (docs/experiments.md,
     "Decode: a streaming grid")."""
-    if not has_stage or policy.decode_stream == "off":
-        return False
-    return True
+    return has_stage and policy.decode_stream != "off"

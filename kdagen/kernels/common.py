@@ -27,6 +27,7 @@ __all__ = [
     "state_store",
     "store_o_step",
     "cu_at",
+    "request_tokens",
     "zero_rows",
     "zero_padding_tail",
     "find_run",
@@ -263,6 +264,19 @@ def cu_at(mCu: cute.Tensor, j: cutlass.Int32, num_tokens: cutlass.Int32) -> cutl
     # Prepare, which searches the offsets for every tile, reads a clamped copy made with this helper by the
     # forward stage's setup kernel, so every stage agrees on the bounds.
     return cutlass.min(cutlass.max(mCu[j], 0), num_tokens)
+
+
+@cute.jit
+def request_tokens(mCu: cute.Tensor, n: cutlass.Int32, tokens_per_seq: cutlass.Int32,
+                   num_tokens: cutlass.Int32):
+    # Decode request n's token range [bos, eos): n * S .. of an [N, S] batch (tokens_per_seq = S), or the
+    # clamped offsets of a packed one (tokens_per_seq = 0).
+    bos = n * tokens_per_seq
+    eos = bos + tokens_per_seq
+    if tokens_per_seq == 0:
+        bos = cu_at(mCu, n, num_tokens)
+        eos = cu_at(mCu, n + 1, num_tokens)
+    return bos, eos
 
 
 @cute.jit

@@ -71,6 +71,14 @@ def partial_sum(parts: list) -> cutlass.Float32:
 
 
 @cute.jit
+def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
+    """`x` summed over the warp, in every lane (butterflies)."""
+    for off in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
+    return x
+
+
+@cute.jit
 def stage_token_warp(
     mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mDtBias,
     t: cutlass.Int32, h: cutlass.Int32, hv: cutlass.Int32, lane: cutlass.Int32, a_scale: cutlass.Float32,
@@ -106,11 +114,8 @@ def stage_token_warp(
     sq = scale
     sk = cutlass.Float32(1.0)
     if cutlass.const_expr(cfg.l2norm):
-        for off in cutlass.range_constexpr(5):
-            ssq_q = ssq_q + cute.arch.shuffle_sync_bfly(ssq_q, offset=1 << off)
-            ssq_k = ssq_k + cute.arch.shuffle_sync_bfly(ssq_k, offset=1 << off)
-        sq = cute.math.rsqrt(ssq_q + 1e-6) * scale
-        sk = cute.math.rsqrt(ssq_k + 1e-6)
+        sq = cute.math.rsqrt(warp_sum(ssq_q) + 1e-6) * scale
+        sk = cute.math.rsqrt(warp_sum(ssq_k) + 1e-6)
     cute.arch.mbarrier_wait(free, free_parity)
     for r in cutlass.range_constexpr(kp):
         # lanes stage keys lane + 32 r: each r lies in one half (K / 2 is a multiple of 32)
@@ -146,14 +151,6 @@ def column_token(
         accs[i % cfg.partial_sums] = accs[i % cfg.partial_sums] + sRow[base + i] * rS[i]
     acc = partial_sum(accs)
     return acc + cute.arch.shuffle_sync_bfly(acc, offset=16)
-
-
-@cute.jit
-def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
-    """`x` summed over the warp, in every lane (butterflies)."""
-    for off in cutlass.range_constexpr(5):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
-    return x
 
 
 @cute.jit
