@@ -23,6 +23,8 @@ __all__ = [
     "checkpoint_first",
     "checkpoint_slot",
     "checkpoint_step",
+    "state_tile",
+    "store_state_tile",
     "state_load",
     "state_store",
     "store_o_step",
@@ -158,16 +160,18 @@ def state_slots(mIdx: cute.Tensor, mInit: cute.Tensor, seq: cutlass.Int32, num_s
 
 
 @cute.jit
-def checkpoint_first(mStart: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32, every: cutlass.Int32,
-                     step0: cutlass.Int32, bt: cutlass.Constexpr):
+def checkpoint_first(mStart: cute.Tensor, mCk: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32,
+                     every: cutlass.Int32, step0: cutlass.Int32, bt: cutlass.Constexpr):
     # Prefix-cache checkpoints of sequence `seq`: (the first step at or after step0 whose end is one, its
-    # checkpoint number), or (-1, 0) for none. The piece starts at absolute position start_positions[seq]
-    # (tokens already in the state); checkpoint m is the state at the m-th multiple of C = every * bt past
-    # it. With a start that is a multiple of bt they fall on step ends, every `every` steps from the first;
-    # a start that is not (the caller's duty) takes none: those states are never formed. Sequences past
-    # mStart's length start at 0 (the runtime passes a one-element zero when no positions are given).
+    # checkpoint number, its pool slot), or (-1, 0, -1) for none. The piece starts at absolute position
+    # start_positions[seq] (tokens already in the state); checkpoint m is the state at the m-th multiple of
+    # C = every * bt past it. With a start that is a multiple of bt they fall on step ends, every `every`
+    # steps from the first; a start that is not (the caller's duty) takes none: those states are never
+    # formed. Sequences past mStart's length start at 0 (the runtime passes a one-element zero when no
+    # positions are given).
     nxt = cutlass.Int32(-1)
     m = cutlass.Int32(0)
+    slot = cutlass.Int32(-1)
     if every > 0 and seq < num_seqs:
         start = cutlass.Int32(0)
         if seq < mStart.shape[0]:
@@ -178,7 +182,8 @@ def checkpoint_first(mStart: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.
             if step0 > first:
                 m = (step0 - first + every - 1) // every
                 nxt = first + m * every
-    return nxt, m
+            slot = checkpoint_slot(mCk, seq, m)
+    return nxt, m, slot
 
 
 @cute.jit
@@ -192,23 +197,63 @@ def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32) -> c
 
 
 @cute.jit
-def checkpoint_step(acc_s: cute.Tensor, coord_s: cute.Tensor, mHt: cute.Tensor, mCk: cute.Tensor,
-                    seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32, step: cutlass.Int32,
-                    rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32, every: cutlass.Int32,
-                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mCk: cute.Tensor, seq: cutlass.Int32,
+                    hv: cutlass.Int32, v0: cutlass.Int32, step: cutlass.Int32, rows: cutlass.Int32,
+                    ck_next: cutlass.Int32, ck_m: cutlass.Int32, ck_slot: cutlass.Int32, every: cutlass.Int32,
+                    bv: cutlass.Constexpr, bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
     # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
-    # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 + coord_s[i][0], key
-    # columns coord_s[i][1]) goes to its pool slot, and the next checkpoint is `every` steps on. A partial
-    # last step ends short of its checkpoint: no write. One compare a step otherwise. Returns (ck_next,
-    # ck_m): the caller rebinds them in its step loop.
+    # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 .. v0 + bv, partitioned by
+    # the MMA slice `thr_s`) goes to its pool slot `ck_slot`, and the next checkpoint is `every` steps on.
+    # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
+    # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
+    # compare a step otherwise. Returns (ck_next, ck_m, ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
-        slot = checkpoint_slot(mCk, seq, ck_m)
-        if slot >= 0:
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                state_store(mHt, slot, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
+        if ck_slot >= 0:
+            store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
         ck_m = ck_m + 1
         ck_next = ck_next + every
-    return ck_next, ck_m
+        ck_slot = checkpoint_slot(mCk, seq, ck_m)
+    return ck_next, ck_m, ck_slot
+
+
+@cute.jit
+def state_tile(mS: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
+               bv: cutlass.Constexpr, kv_layout: cutlass.Constexpr) -> cute.Tensor:
+    # S^T rows v0 .. v0 + bv of the state in `slot` (laid out as `state_load` reads it) as a (bv, K) tensor:
+    # one base address and the slot's static inner strides, so that a partition of it has fixed offsets.
+    head = mS[slot, hv, None, None]
+    if cutlass.const_expr(kv_layout):
+        s_v, s_k, k = head.layout.stride[1], head.layout.stride[0], head.shape[0]
+    else:
+        s_v, s_k, k = head.layout.stride[0], head.layout.stride[1], head.shape[1]
+    return cute.make_tensor(head.iterator + v0 * s_v, cute.make_layout((bv, k), stride=(s_v, s_k)))
+
+
+@cute.jit
+def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32,
+                     v0: cutlass.Int32, bv: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+    # The accumulators of S^T rows v0 .. v0 + bv (partitioned by the MMA slice `thr_s` over a (bv, K) tile)
+    # into slot `slot` of mS, rounded to its dtype, each store at a fixed offset from one address. An MMA
+    # accumulator holds key columns in pairs from an even one, so with the V-first layout (keys contiguous)
+    # a pair is one vector store: the thread's offset, computed here, is declared even so that the pointer
+    # keeps the alignment the vectorizer needs (the partition's own offset carries none). Scalar stores of
+    # the pairs touch twice the cache lines a byte and cost a checkpoint ~3x the K-first layout's time
+    # (docs/experiments.md, "State stores").
+    tile = state_tile(mS, slot, hv, v0, bv, kv_layout)
+    tS = thr_s.partition_C(tile)
+    if cutlass.const_expr(kv_layout):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            tS[i] = acc_s[i].to(mS.element_type)
+    else:
+        first = thr_s.partition_C(cute.make_identity_tensor(tile.shape))[0]
+        off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + (v0 + first[0]) * mS.layout.stride[2]
+               + first[1])
+        base = mS.iterator + cute.assume(off, divby=2)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), mS.element_type)
+        for i in cutlass.range_constexpr(0, cute.size(acc_s), 2):
+            pair[0] = acc_s[i].to(mS.element_type)
+            pair[1] = acc_s[i + 1].to(mS.element_type)
+            cute.autovec_copy(pair, cute.make_tensor(base + tS.layout(i), cute.make_layout(2)))
 
 
 @cute.jit

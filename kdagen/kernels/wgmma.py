@@ -9,7 +9,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from kdagen.kernels.common import state_load, state_store
+from kdagen.kernels.common import state_load
 
 __all__ = [
     "consumer_mmas",
@@ -18,7 +18,6 @@ __all__ = [
     "store_as_a",
     "consumer_load_state",
     "consumer_step",
-    "consumer_store_state",
 ]
 
 
@@ -127,11 +126,3 @@ def consumer_step(stage, rows, tidx, mma_x, mma_s, acc_s, acc_x, acc_o, rS, rR, 
     warpgroup.commit_group()
     warpgroup.wait_group(0)
     return mma_x
-
-
-@cute.jit
-def consumer_store_state(acc_s, coord_s, mHt, slot, hv, v0, kv_layout: cutlass.Constexpr):
-    # The state leaving a run, S^T rows v0.. of the warpgroup, from the accumulators into slot `slot` of mHt
-    # (the caller skips slot -1).
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        state_store(mHt, slot, hv, v0 + coord_s[i][0], coord_s[i][1], acc_s[i], kv_layout)
