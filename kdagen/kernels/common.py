@@ -234,11 +234,11 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
                      v0: cutlass.Int32, bv: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
     # The accumulators of S^T rows v0 .. v0 + bv (partitioned by the MMA slice `thr_s` over a (bv, K) tile)
     # into slot `slot` of mS, rounded to its dtype, each store at a fixed offset from one address. An MMA
-    # accumulator holds key columns in pairs from an even one, so with the V-first layout (keys contiguous)
-    # a pair is one vector store: the thread's offset, computed here, is declared even so that the pointer
-    # keeps the alignment the vectorizer needs (the partition's own offset carries none). Scalar stores of
-    # the pairs touch twice the cache lines a byte and cost a checkpoint ~3x the K-first layout's time
-    # (docs/experiments.md, "State stores").
+    # accumulator holds key columns in pairs from an even one; with the V-first layout (keys contiguous)
+    # neighbouring lanes swap pairs into 4 contiguous keys, one vector store each (a warp's store covers 64
+    # bytes of a row, where scalar stores cover 8 bytes of 8 rows): the thread's offset, computed here, is
+    # declared a multiple of 4 so that the pointer keeps the alignment the vectorizer needs (the partition's
+    # own offset carries none). docs/experiments.md, "State stores".
     tile = state_tile(mS, slot, hv, v0, bv, kv_layout)
     tS = thr_s.partition_C(tile)
     if cutlass.const_expr(kv_layout):
@@ -248,12 +248,39 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
         first = thr_s.partition_C(cute.make_identity_tensor(tile.shape))[0]
         off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + (v0 + first[0]) * mS.layout.stride[2]
                + first[1])
-        base = mS.iterator + cute.assume(off, divby=2)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), mS.element_type)
-        for i in cutlass.range_constexpr(0, cute.size(acc_s), 2):
-            pair[0] = acc_s[i].to(mS.element_type)
-            pair[1] = acc_s[i + 1].to(mS.element_type)
-            cute.autovec_copy(pair, cute.make_tensor(base + tS.layout(i), cute.make_layout(2)))
+        groups = _key_quads(tS.layout, cute.size(acc_s))
+        # Lanes 2m and 2m + 1 hold the same row's key pairs 2 apart: each sends the other the pair it lacks,
+        # so that the even lane holds 4 keys from column 8j + 2q and the odd one 4 from 8(j + 1) + 2q - 2, and
+        # each stores 16 bytes (a warp's store then covers 64 contiguous bytes of a row, not 32).
+        odd = (first[1] // 2) % 2
+        is_odd = odd == 1
+        base = mS.iterator + cute.assume(off + odd * 6, divby=4)
+        quad = cute.make_rmem_tensor(cute.make_layout(4), mS.element_type)
+        for n in cutlass.range_constexpr(len(groups)):
+            i, i2 = groups[n]
+            r0 = cute.arch.shuffle_sync_bfly(cutlass.select_(is_odd, acc_s[i], acc_s[i2]), offset=1)
+            r1 = cute.arch.shuffle_sync_bfly(cutlass.select_(is_odd, acc_s[i + 1], acc_s[i2 + 1]), offset=1)
+            quad[0] = cutlass.Float32(cutlass.select_(is_odd, r0, acc_s[i])).to(mS.element_type)
+            quad[1] = cutlass.Float32(cutlass.select_(is_odd, r1, acc_s[i + 1])).to(mS.element_type)
+            quad[2] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i2], r0)).to(mS.element_type)
+            quad[3] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i2 + 1], r1)).to(mS.element_type)
+            cute.autovec_copy(quad, cute.make_tensor(base + tS.layout(i), cute.make_layout(4)))
+
+
+def _key_quads(layout, n: int) -> list[tuple[int, int]]:
+    # Trace time: the accumulator elements (i, i2) whose key pairs (i, i + 1) and (i2, i2 + 1) are 8 keys
+    # apart in the same row, the first in an even 8-key block, over a V-first tile (keys contiguous). An MMA
+    # accumulator holds a thread's keys as pairs at 2q + 8j, so every element falls in one such group.
+    offs = [layout(i) for i in range(n)]
+    at = {o: i for i, o in enumerate(offs)}
+    groups = []
+    for i, o in enumerate(offs):
+        if o % 2 == 0 and o % 16 < 8:
+            i2 = at[o + 8]
+            assert at[o + 1] == i + 1 and at[o + 9] == i2 + 1, "accumulator pairs not adjacent"
+            groups.append((i, i2))
+    assert 4 * len(groups) == n, "accumulator keys do not form 8-apart pairs"
+    return groups
 
 
 @cute.jit
