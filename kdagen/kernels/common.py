@@ -250,8 +250,8 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
                + first[1])
         groups = _key_quads(tS.layout, cute.size(acc_s))
         # Lanes 2m and 2m + 1 hold the same row's key pairs 2 apart: each sends the other the pair it lacks,
-        # so that the even lane holds 4 keys from column 8j + 2q and the odd one 4 from 8(j + 1) + 2q - 2, and
-        # each stores 16 bytes (a warp's store then covers 64 contiguous bytes of a row, not 32).
+        # so that the even lane holds the 4 keys from column 8j + 2q and the odd one those from
+        # 8(j + 1) + 2q - 2 (its base is 6 keys on), each stored at once.
         odd = (first[1] // 2) % 2
         is_odd = odd == 1
         base = mS.iterator + cute.assume(off + odd * 6, divby=4)
