@@ -10,6 +10,7 @@ from typing import Any
 
 from kdagen.arch import CHUNK
 from kdagen.dtypes import DTYPES, nbytes
+from kdagen.kernels.decode_rows import row_words
 from kdagen.spec import KernelSpec
 
 __all__ = ["CHUNK", "StagePlan", "Plan", "make_plan"]
@@ -153,7 +154,7 @@ def _prepare_warp_smem(spec: KernelSpec) -> int:
 def _decode_stream_extra(spec: KernelSpec) -> int:
     # Shared memory of the streaming decode besides its state ring: the token ring (fp32 rows of q, k, decays,
     # v and beta), the per-stage slot records, the mbarriers, and alignment slack.
-    row_bytes = (3 * (spec.head_dim_k + 4) + spec.head_dim_v + 4) * 4
+    row_bytes = row_words(spec.head_dim_k, spec.head_dim_v) * 4
     rows = DECODE_STAGERS * DECODE_TOKEN_STAGES
     return rows * row_bytes + DECODE_STREAM_MAX_STAGES * (16 + 16) + rows * 16 + 1024
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
+from kdagen.kernels.decode_rows import key_vector_words, row_words
 from kdagen.kernels.gate import beta_value, decay, log_decay
 
 __all__ = [
@@ -42,12 +43,12 @@ class DecodeConfig:
     @property
     def vec(self) -> int:
         # words of one key vector in a row (q, k or the decays)
-        return self.k + 4
+        return key_vector_words(self.k)
 
     @property
     def row_words(self) -> int:
         # q, k, decays, v (V), beta, padded to 16 bytes
-        return 3 * self.vec + self.v + 4
+        return row_words(self.k, self.v)
 
     @property
     def v_at(self) -> int:
