@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kdagen.policy import decode_streams
+from kdagen.policy import decode_parts, decode_streams
 from kdagen.runtime import (
     _check_no_grad,
     _compact,
@@ -204,7 +204,10 @@ def run_decode(
             int(bool(update_state)))
     with kernel._stream_scope(device):
         if decode_streams(kernel._decode_stream is not None, kernel.policy):
-            kernel._decode_stream(*args, min(nreq * hv, kernel._sm_count(device)))
+            sms = kernel._sm_count(device)
+            parts = decode_parts(nreq * hv, sms, vdim, spec.state_layout == "vk",
+                                 seqlen if cu_seqlens is None else 0)
+            kernel._decode_stream(*args, parts, min(nreq * hv * parts, sms))
         else:
             kernel._decode(*args)
     return o

@@ -56,11 +56,14 @@ __all__ = [
     "device_picks_fused",
     "by_length",
     "overlap",
+    "decode_parts",
     "decode_streams",
 ]
 
 _TOGGLE = ("auto", "on", "off")
 _ORDER = ("auto", "length", "input")
+# Most value parts a streaming-decode item splits into (`decode_parts`): 16 value columns a part at V = 128.
+DECODE_MAX_PARTS = 8
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -454,6 +457,23 @@ def schedule(nseq: int, total: int, hv: int, sms: int, facts: PlanFacts, policy:
     rec_ctas = nseq * hv * facts.v_slices
     return Schedule(None, overlap(rec_ctas, sms, policy), by_length(nseq, rec_ctas, sms, policy),
                     fused_args(nseq, hv, total, sms, facts, policy, costs))
+
+
+def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: int,
+                 max_parts: int = DECODE_MAX_PARTS) -> int:
+    """Value parts each (request, value head) item of the streaming decode splits into, so that with fewer
+    items than SMs a state's bytes pass through several SMs' load and store streams: the largest power of 2
+    (up to `max_parts`, each part a multiple of 16 value columns) that keeps items x parts within the SMs.
+    V-first states only, or K-first ones with `tokens` >= 4 a request ([N, S] calls; 0: unknown, packed): a
+    K-first part is a strided copy, a bulk copy per key row, slower than one copy of the whole slot for a
+    single token. Measured on an H100 (docs/experiments.md, "Decode: value parts"): V-first 1.07-1.24x at 1-2
+    requests, K-first 0.82-0.91x for one token and 1.15-1.28x for four."""
+    if not v_first and tokens < 4:
+        return 1
+    parts = 1
+    while 2 * parts <= max_parts and head_dim_v % (16 * 2 * parts) == 0 and items * 2 * parts <= sms:
+        parts *= 2
+    return parts
 
 
 def decode_streams(has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:

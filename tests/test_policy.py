@@ -21,6 +21,7 @@ from kdagen.policy import (
     by_length,
     cp_segment_len,
     cp_time_us,
+    decode_parts,
     decode_streams,
     device_picks_fused,
     fused_args,
@@ -401,3 +402,20 @@ def test_decode_stream_override_is_read_from_the_environment():
     assert SchedulePolicy.from_env({"KDAGEN_DECODE_STREAM": "off"}) == SchedulePolicy(decode_stream="off")
     with pytest.raises(ValueError, match="KDAGEN_DECODE_STREAM: expected"):
         SchedulePolicy.from_env({"KDAGEN_DECODE_STREAM": "maybe"})
+
+
+@pytest.mark.parametrize(("items", "sms", "v", "v_first", "tokens", "expected"), [
+    (1, 132, 128, True, 1, 8),  # one request of one value head: 8 parts of 16 columns
+    (32, 132, 128, True, 1, 4),  # 32 heads: 128 items fit 132 SMs
+    (66, 132, 128, True, 1, 2),
+    (67, 132, 128, True, 1, 1),
+    (256, 132, 128, True, 1, 1),  # more items than SMs: whole states
+    (1, 132, 64, True, 1, 4),  # V = 64: at most 4 parts of 16 columns
+    (1, 132, 16, True, 1, 1),
+    (32, 132, 128, False, 1, 1),  # K-first, one token: the whole slot in one copy
+    (32, 132, 128, False, 0, 1),  # K-first, packed tokens (count unknown on the host)
+    (32, 132, 128, False, 4, 4),  # K-first verify of 4 tokens
+])
+def test_decode_parts_spread_few_items_over_the_sms(items: int, sms: int, v: int, v_first: bool, tokens: int,
+                                                    expected: int):
+    assert decode_parts(items, sms, v, v_first, tokens) == expected

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import kdagen.decode
 from kdagen.errors import InputError
 from kdagen.policy import SchedulePolicy
 from kdagen.reference import assert_close, rel_rmse
@@ -31,18 +32,25 @@ pytestmark = [
 TOL = cases.GPU_TOL
 
 
-@pytest.fixture(autouse=True, params=["off", "on"], ids=["per-item", "streaming"])
+@pytest.fixture(autouse=True, params=["off", "whole", "parts"],
+                ids=["per-item", "streaming-whole", "streaming-parts"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs on both decode stages: one CTA an item (forced), and the streaming grid (the automatic
-    choice where the variant has it; skipped where it has not)."""
+    choice where the variant has it; skipped where it has not), there with whole states and with each state
+    split into as many value parts as the head dim allows (`decode_parts` forced either way)."""
     path = request.param
     kernel_for = cases.kernel_for
+    if path == "whole":
+        monkeypatch.setattr(kdagen.decode, "decode_parts", lambda *args, **kwargs: 1)
+    elif path == "parts":
+        monkeypatch.setattr(kdagen.decode, "decode_parts",
+                            lambda items, sms, v, *args, **kwargs: min(8, v // 16))
 
     def forced(name: str) -> Any:
         kernel = kernel_for(name)
-        if path == "on" and kernel._decode_stream is None:
+        if path != "off" and kernel._decode_stream is None:
             pytest.skip(f"{name}: this variant has no streaming decode stage")
-        return kernel.with_policy(SchedulePolicy(decode_stream=path))
+        return kernel.with_policy(SchedulePolicy(decode_stream="off" if path == "off" else "on"))
 
     monkeypatch.setattr(cases, "kernel_for", forced)
     return path
