@@ -36,15 +36,17 @@ TOL = cases.GPU_TOL
                 ids=["per-item", "streaming-whole", "streaming-parts"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs on both decode stages: one CTA an item (forced), and the streaming grid (the automatic
-    choice where the variant has it; skipped where it has not), there with whole states and with each state
-    split into as many value parts as the head dim allows (`decode_parts` forced either way)."""
+    choice where the variant has it; skipped where it has not), there with whole states and with states split
+    into value parts wherever there are fewer items than SMs, whatever the layout and token count
+    (`decode_parts` forced either way)."""
     path = request.param
     kernel_for = cases.kernel_for
+    rule = kdagen.decode.decode_parts
     if path == "whole":
         monkeypatch.setattr(kdagen.decode, "decode_parts", lambda *args, **kwargs: 1)
     elif path == "parts":
         monkeypatch.setattr(kdagen.decode, "decode_parts",
-                            lambda items, sms, v, *args, **kwargs: min(8, v // 16))
+                            lambda items, sms, v, v_first, tokens: rule(items, sms, v, True, tokens))
 
     def forced(name: str) -> Any:
         kernel = kernel_for(name)
