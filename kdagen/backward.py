@@ -1,10 +1,10 @@
 """The KDA backward of a loaded kernel (kda-math.md §8), run on the current CUDA stream.
 
 Four parts, in order:
-1. The state entering every 16-token tile (`tile_states`): the kernel's own forward on a scratch state pool
-   with a prefix-cache checkpoint every tile, so each tile's state lands in the slot of its tile id
-   (`floor(bos / 16) + seq + step`, the map prepare and the recurrence share). Recomputed in the backward,
-   or saved by the forward (`recompute=False`).
+1. The state entering every 16-token tile (`tile_states`): the kernel's own forward with a checkpoint every
+   tile, written in the MMA type into the slot of its tile id (`floor(bos / 16) + seq + step`, the map
+   prepare and the recurrence share). Recomputed in the backward, or saved by the forward
+   (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
    states, from prepare's tiles and dO alone.
@@ -70,25 +70,25 @@ def tile_states(
     zero_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward, keeping the state entering every tile: ``(o, final states [N, ...], states)``, states
-    ``[tile slots, HV, ...]`` in the spec's state layout and dtype.
+    ``[tile slots, HV, ...]`` in the spec's state layout and its dtype (the MMA type, in which `bwd_tile`
+    reads them: half the bytes of fp32 written here and read there, the same products).
 
-    The forward runs on a pool of ``tile slots + N`` slots: sequence n's state slot is ``slots + n`` (its
-    initial state, then its final one), and a checkpoint every 16 tokens writes the state after each full
-    tile into the slot of the next tile's id; the first tile's (the initial state) is copied in after."""
+    The forward runs on a pool of N slots (sequence n's initial state, then its final one) with a
+    checkpoint every 16 tokens into the tile states: the state after each full tile lands in the slot of
+    the next tile's id; the first tile's (the initial state) is copied in after."""
     bsz, seqlen, hv = v.shape[:3]
     total = bsz * seqlen
     cu = _offsets(cu_seqlens, bsz, seqlen, q.device)
     nseq = cu.numel() - 1
     slots = workspace.tile_slots(total, nseq)
     spec = kernel.spec
-    sdt = _TORCH_DTYPE[spec.state_dtype]
-    shape = state_shape(spec, slots + nseq, hv)
-    pool = torch.zeros(shape, dtype=sdt, device=q.device) if zero_unused else torch.empty(
-        shape, dtype=sdt, device=q.device)
+    dt = _TORCH_DTYPE[spec.dtype]
+    shape = state_shape(spec, slots, hv)
+    states = torch.zeros(shape, dtype=dt, device=q.device) if zero_unused else torch.empty(
+        shape, dtype=dt, device=q.device)
+    pool = torch.zeros(state_shape(spec, nseq, hv), dtype=_TORCH_DTYPE[spec.state_dtype], device=q.device)
     if initial_state is not None:
-        pool[slots:].copy_(initial_state)
-    elif not zero_unused:
-        pool[slots:].zero_()
+        pool.copy_(initial_state)
     first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
     lengths = (cu[1:] - cu[:-1]).long()
     # Checkpoint m (after 16 (m + 1) tokens) goes to tile m + 1's slot; the one at the sequence's end (its
@@ -96,17 +96,17 @@ def tile_states(
     most = max(1, total // CHUNK)
     m = torch.arange(most, device=q.device)
     ck = torch.where(CHUNK * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
-    idx = torch.arange(slots, slots + nseq, dtype=torch.int32, device=q.device)
-    o, _ = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                  cu_seqlens=cu_seqlens, policy=policy, state_pool=pool, state_indices=idx,
-                  checkpoint_interval=CHUNK, checkpoint_indices=ck.to(torch.int32))
-    final = pool[slots:].clone()
-    states = pool[:slots]
+    idx = torch.arange(nseq, dtype=torch.int32, device=q.device)
+    o, _ = kernel._prefill(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=None,
+                           output_final_state=False, cu_seqlens=cu_seqlens, policy=policy, state_pool=pool,
+                           state_indices=idx, has_initial_state=None, checkpoint_interval=CHUNK,
+                           start_positions=None, checkpoint_indices=ck.to(torch.int32), out=None,
+                           tile_states=states)
     if initial_state is not None:
-        states.index_copy_(0, first, initial_state.to(sdt))
+        states.index_copy_(0, first, initial_state.to(dt))
     else:
         states.index_fill_(0, first, 0.0)
-    return o, final, states
+    return o, pool, states
 
 
 def run_backward(

@@ -273,8 +273,8 @@ def _forward_train_fake(
 
     nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     slots = tile_slots(v.shape[0] * v.shape[1], nseq)
-    sdt = getattr(torch, DTYPES[spec.state_dtype].torch)
-    return o, ht, q.new_empty(state_shape(spec, slots, v.shape[2]), dtype=sdt)
+    mma_dtype = getattr(torch, DTYPES[spec.dtype].torch)  # tile states in the MMA type (`tile_states`)
+    return o, ht, q.new_empty(state_shape(spec, slots, v.shape[2]), dtype=mma_dtype)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

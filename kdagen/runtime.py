@@ -813,7 +813,8 @@ class KDAKernel:
         initial_state), the call goes through the ``kdagen::forward_train`` op and records its autograd
         node (`kdagen.backward` has the backward): compact states only, no ``out``. The backward needs the
         state entering every 16-token tile: ``recompute=True`` reruns the forward for them in the backward,
-        False keeps them from the forward (fp32 K x V per tile and value head: 16x o's bytes at K = V = 128).
+        False keeps them from the forward (K x V in the spec's dtype per tile and value head: 8x o's bytes at
+        K = V = 128).
 
         q, k, v, g and beta may be row-strided views (slices of one packed projection): read in place when
         their rows are compact, the token stride is a multiple of 16 bytes (beta: any), B and T fold into
@@ -837,6 +838,39 @@ class KDAKernel:
                                state_indices=state_indices, has_initial_state=has_initial_state,
                                checkpoint_interval=checkpoint_interval, start_positions=start_positions,
                                checkpoint_indices=checkpoint_indices, out=out, recompute=recompute)
+        return self._prefill(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                             initial_state=initial_state, output_final_state=output_final_state,
+                             cu_seqlens=cu_seqlens, policy=policy, state_pool=state_pool,
+                             state_indices=state_indices, has_initial_state=has_initial_state,
+                             checkpoint_interval=checkpoint_interval, start_positions=start_positions,
+                             checkpoint_indices=checkpoint_indices, out=out)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float | None,
+        A_log: torch.Tensor | None,
+        dt_bias: torch.Tensor | None,
+        initial_state: torch.Tensor | None,
+        output_final_state: bool,
+        cu_seqlens: torch.Tensor | None,
+        policy: SchedulePolicy | None,
+        state_pool: torch.Tensor | None,
+        state_indices: torch.Tensor | None,
+        has_initial_state: torch.Tensor | None,
+        checkpoint_interval: int | None,
+        start_positions: torch.Tensor | None,
+        checkpoint_indices: torch.Tensor | None,
+        out: torch.Tensor | None,
+        tile_states: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`__call__` without autograd. With `tile_states` (the backward's: [slots, HV, ...] in the state
+        layout, the spec's dtype, contiguous) the checkpoints go to its slots instead of the pool's."""
         spec = self.spec
         kdim, vdim = spec.head_dim_k, spec.head_dim_v
         dt = _TORCH_DTYPE[spec.dtype]
@@ -926,7 +960,13 @@ class KDAKernel:
             if start_positions is not None:
                 start = _prepared(start_positions if start_positions.dtype == torch.int32
                                   else start_positions.to(torch.int32))
-        states = (h0, ht_arg, idx, init, start, ckpt)
+        if tile_states is None:
+            tiles, ck_tiles = self._cached(("tiles", device, hv), lambda: torch.zeros(
+                self._state_shape(1, hv), dtype=dt, device=device)), 0
+        else:
+            assert tile_states.dtype == dt and tile_states.is_contiguous() and every, "tile_states"
+            tiles, ck_tiles = tile_states, 1
+        states = (h0, ht_arg, idx, init, start, ckpt, tiles)
 
         # ---- one workspace for the per-tile intermediates (kda-math.md §2.3 folded form) ----
         ws = workspace.layout(total, hv, nseq, kdim, self._elem_bytes)
@@ -947,7 +987,7 @@ class KDAKernel:
                 prepare_ctas = max(1, min(items, self._prepare_ctas[1 if sched.beside else 0] * sms))
                 self._forward(q, k, g, beta, *gate_args, cu, v, *states, o, buf, ws.qd, ws.akt, ws.aq, ws.gt,
                               ws.ready, ws.order, ws.cu, float(scale), prepare_ctas, 1, has_h0, store_ht,
-                              int(pooled), every, int(sched.by_length), *sched.fused_args)
+                              int(pooled), every, ck_tiles, int(sched.by_length), *sched.fused_args)
                 return o, ht
             kd, qd, akt, aq, gt, cu = self._run_prepare(q, k, g, beta, gate_args, cu, ws, buf, sizes, scale,
                                                         sms)
@@ -961,6 +1001,6 @@ class KDAKernel:
             # The merge reads each sequence's initial state, the segment pass writes its final one (on a
             # pool, the same slot: the merge has read it by then).
             merge(cp_maps, cu, h0, idx, init, seg_h0, has_h0, int(pooled), seg_len)
-            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, idx, start, ckpt, store_ht, int(pooled),
-                     every, o2, seg_len)
+            segments(kd, qd, akt, aq, gt, v2, cu, seg_h0, ht_arg, idx, start, ckpt, tiles, store_ht,
+                     int(pooled), every, ck_tiles, o2, seg_len)
         return o, ht

@@ -75,6 +75,18 @@ class EmuKernel:
                                         **self._opts())
         return o.to(q.dtype), (None if ht is None else ht.float())
 
+    def _prefill(self, q, k, v, g, beta, *, state_pool, state_indices, checkpoint_indices, tile_states,
+                 **kw):
+        # As KDAKernel's: the checkpoints go to tile_states' slots (rounded to its dtype), the sequences'
+        # states to the pool's.
+        nt = tile_states.shape[0]
+        pool = torch.cat([torch.zeros((nt, *state_pool.shape[1:]), dtype=state_pool.dtype), state_pool])
+        o, _ = self(q, k, v, g, beta, state_pool=pool, state_indices=state_indices + nt,
+                    checkpoint_indices=checkpoint_indices, **kw)
+        tile_states.copy_(pool[:nt])
+        state_pool.copy_(pool[nt:])
+        return o, None
+
     def _gate_args(self, A_log, dt_bias, hv, device):
         # as KDAKernel's: (A_log [HV], dt_bias [HV * K]) for an in-kernel gate, zeros where not given
         if self.spec.gate == "precomputed":
@@ -244,8 +256,11 @@ def test_gradients_match_the_oracle(emu: dict, case: tuple, recompute: bool) -> 
     for n in names:
         got, want = leaves[n].grad, ref[n].grad
         assert got is not None and got.shape == want.shape and got.dtype == x[n].dtype, n
-        # bf16 inputs and dv in their dtype; the rest of the path is fp32 or fp64.
-        assert rel_rmse(want, got.double()) < 5e-3, (n, rel_rmse(want, got.double()))
+        # bf16 inputs, dv and the tile states in their dtype (as on the GPU); the rest is fp32 or fp64. dA_log
+        # sums a head's every token and key (two heads of 21 tokens here): its terms cancel, and the states'
+        # rounding shows at up to 1.5% of it, where a state in a wrong slot or tile shows at O(1).
+        bound = 2e-2 if n == "A_log" else 5e-3
+        assert rel_rmse(want, got.double()) < bound, (n, rel_rmse(want, got.double()))
 
 
 def test_only_the_final_state_carries_a_gradient(emu: dict) -> None:

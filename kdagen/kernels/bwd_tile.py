@@ -6,9 +6,9 @@ Given the state S entering a tile and the gradient dS of the state leaving it, a
 step's operands are dR = Aq^T dO + Akt dS (= dV), dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T, dAq = dO R^T
 and dgt = the row sums of S * dS; everything after them is the `bwd_grads` stage's
 (`kdagen.kernels.bwd_grads`). One CTA per (tile, value head), of up to eight warps (`ProductsConfig.warps`):
-S (in the state's dtype) and dS (in the MMA type, as the scan writes it) are staged in shared memory as the
-MMA type (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the five products run
-on warp MMAs, the warps splitting the output columns.
+S and dS arrive in the MMA type (the forward's checkpoints and the scan write them so) and are staged in
+shared memory (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the five
+products run on warp MMAs, the warps splitting the output columns.
 """
 
 from dataclasses import dataclass
@@ -80,8 +80,8 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
 
     # ---- stage the tile's rows (zero past its end) and the two states, then dgt ----
-    # Every load is issued before any is waited on (the stage is bound by their latency): the tiles and dS by
-    # cp.async, S by 16-byte loads into registers (it changes type on the way in).
+    # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
+    # K-first S by cp.async, a V-first S by 16-byte loads into registers (it is transposed on the way in).
     stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
     stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
     stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
@@ -89,8 +89,13 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
     thr_d = copy_d.get_slice(tidx)
     cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
+    if cutlass.const_expr(cfg.kv_layout):
+        copy_s = row_copy(cfg.dtype, cfg.v, cfg.threads)
+        thr_s = copy_s.get_slice(tidx)
+        cute.copy(copy_s, thr_s.partition_S(mH[tile, hv, None, None]), thr_s.partition_D(sS))
     cute.arch.cp_async_commit_group()
-    stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
+    if cutlass.const_expr(not cfg.kv_layout):
+        stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
     cute.arch.cp_async_wait_group(0)
     cute.arch.sync_threads()
     # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads share a
@@ -209,7 +214,7 @@ def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cut
 @cute.jit
 def stage_state(mH: cute.Tensor, sS: cute.Tensor, tile, hv, tidx, k: cutlass.Constexpr, v: cutlass.Constexpr,
                 kv_layout: cutlass.Constexpr, dtype: cutlass.Constexpr, threads: cutlass.Constexpr):
-    # S of (tile, hv) (the state's dtype and layout) into sS (key rows, the MMA type): 16-byte loads along
+    # S of (tile, hv) (any dtype and either layout) into sS (key rows, the MMA type): 16-byte loads along
     # the state's contiguous dim, a batch of them issued before any is converted and stored.
     n = 128 // mH.element_type.width  # elements a load
     lines = v if kv_layout else k  # elements of a contiguous row

@@ -197,19 +197,25 @@ def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32) -> c
 
 
 @cute.jit
-def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mCk: cute.Tensor, seq: cutlass.Int32,
-                    hv: cutlass.Int32, v0: cutlass.Int32, step: cutlass.Int32, rows: cutlass.Int32,
-                    ck_next: cutlass.Int32, ck_m: cutlass.Int32, ck_slot: cutlass.Int32, every: cutlass.Int32,
-                    bv: cutlass.Constexpr, bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tensor, to_tiles: cutlass.Int32,
+                    mCk: cute.Tensor, seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
+                    step: cutlass.Int32, rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32,
+                    ck_slot: cutlass.Int32, every: cutlass.Int32, bv: cutlass.Constexpr,
+                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
     # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
     # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 .. v0 + bv, partitioned by
-    # the MMA slice `thr_s`) goes to its pool slot `ck_slot`, and the next checkpoint is `every` steps on.
+    # the MMA slice `thr_s`) goes to its slot `ck_slot`, and the next checkpoint is `every` steps on. The
+    # slot is the pool's (mHt, the state dtype), or with `to_tiles` one of mTs (the MMA type: the backward's
+    # states entering its tiles, which it reads in that type, so half the bytes of fp32 go either way).
     # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
     # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
     # compare a step otherwise. Returns (ck_next, ck_m, ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
         if ck_slot >= 0:
-            store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
+            if to_tiles != 0:
+                store_state_tile(thr_s, acc_s, mTs, ck_slot, hv, v0, bv, kv_layout)
+            else:
+                store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
         ck_m = ck_m + 1
         ck_next = ck_next + every
         ck_slot = checkpoint_slot(mCk, seq, ck_m)
