@@ -240,18 +240,34 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
                      v0: cutlass.Int32, bv: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
     # The accumulators of S^T rows v0 .. v0 + bv (partitioned by the MMA slice `thr_s` over a (bv, K) tile)
     # into slot `slot` of mS, rounded to its dtype, each store at a fixed offset from one address. An MMA
-    # accumulator holds key columns in pairs from an even one; with the V-first layout (keys contiguous)
-    # neighbouring lanes swap pairs into 4 contiguous keys, one vector store each (a warp's store covers 64
-    # bytes of a row, where scalar stores cover 8 bytes of 8 rows): the thread's offset, computed here, is
-    # declared a multiple of 4 so that the pointer keeps the alignment the vectorizer needs (the partition's
-    # own offset carries none). docs/experiments.md, "State stores".
+    # accumulator holds key columns in pairs from an even one, and lanes 4 apart hold neighbouring rows. With
+    # the V-first layout (keys contiguous) neighbouring lanes swap pairs into 4 contiguous keys, one vector
+    # store each (a warp's store covers 64 bytes of a row, where scalar stores cover 8 bytes of 8 rows);
+    # with the K-first one (values contiguous) lanes 4 apart swap into 2 contiguous values, half the stores.
+    # The thread's offset, computed here, is declared a multiple of the vector so that the pointer keeps the
+    # alignment the vectorizer needs (the partition's own offset carries none). docs/experiments.md, "State
+    # stores".
     tile = state_tile(mS, slot, hv, v0, bv, kv_layout)
     tS = thr_s.partition_C(tile)
+    first = thr_s.partition_C(cute.make_identity_tensor(tile.shape))[0]
     if cutlass.const_expr(kv_layout):
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            tS[i] = acc_s[i].to(mS.element_type)
+        # Lane 4g + q holds rows g and g + 8 (of each 16), keys 2q + 8j and 2q + 8j + 1: with its partner
+        # (row g ^ 1) the even-row lane keeps key 2q + 8j of both rows, the odd-row one key 2q + 8j + 1 (its
+        # base is a key on and a row back).
+        s_k = mS.layout.stride[2]
+        odd = first[0] % 2
+        is_odd = odd == 1
+        off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + v0 + first[0]
+               + first[1] * s_k + odd * (s_k - 1))
+        base = mS.iterator + cute.assume(off, divby=2)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), mS.element_type)
+        for i in cutlass.range_constexpr(0, cute.size(acc_s), 2):
+            assert tS.layout(i + 1) - tS.layout(i) == tS.layout(1) - tS.layout(0), "accumulator pairs"
+            r = cute.arch.shuffle_sync_bfly(cutlass.select_(is_odd, acc_s[i], acc_s[i + 1]), offset=4)
+            pair[0] = cutlass.Float32(cutlass.select_(is_odd, r, acc_s[i])).to(mS.element_type)
+            pair[1] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i + 1], r)).to(mS.element_type)
+            cute.autovec_copy(pair, cute.make_tensor(base + tS.layout(i), cute.make_layout(2)))
     else:
-        first = thr_s.partition_C(cute.make_identity_tensor(tile.shape))[0]
         off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + (v0 + first[0]) * mS.layout.stride[2]
                + first[1])
         groups = _key_quads(tS.layout, cute.size(acc_s))
