@@ -243,14 +243,19 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
     # accumulator holds key columns in pairs from an even one, and lanes 4 apart hold neighbouring rows. With
     # the V-first layout (keys contiguous) neighbouring lanes swap pairs into 4 contiguous keys, one vector
     # store each (a warp's store covers 64 bytes of a row, where scalar stores cover 8 bytes of 8 rows);
-    # with the K-first one (values contiguous) lanes 4 apart swap into 2 contiguous values, half the stores.
+    # with the K-first one (values contiguous) a 16-bit state's lanes 4 apart swap into 2 contiguous values,
+    # one 4-byte store where there were two 2-byte ones (fp32 ones stay scalar: a warp's store then fills
+    # whole 32-byte sectors, and the swap measured slower).
     # The thread's offset, computed here, is declared a multiple of the vector so that the pointer keeps the
     # alignment the vectorizer needs (the partition's own offset carries none). docs/experiments.md, "State
     # stores".
     tile = state_tile(mS, slot, hv, v0, bv, kv_layout)
     tS = thr_s.partition_C(tile)
     first = thr_s.partition_C(cute.make_identity_tensor(tile.shape))[0]
-    if cutlass.const_expr(kv_layout):
+    if cutlass.const_expr(kv_layout and mS.element_type.width == 32):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            tS[i] = acc_s[i].to(mS.element_type)
+    elif cutlass.const_expr(kv_layout):
         # Lane 4g + q holds rows g and g + 8 (of each 16), keys 2q + 8j and 2q + 8j + 1: with its partner
         # (row g ^ 1) the even-row lane keeps key 2q + 8j of both rows, the odd-row one key 2q + 8j + 1 (its
         # base is a key on and a row back).
