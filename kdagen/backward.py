@@ -86,9 +86,9 @@ def tile_states(
     shape = state_shape(spec, slots, hv)
     states = torch.zeros(shape, dtype=dt, device=q.device) if zero_unused else torch.empty(
         shape, dtype=dt, device=q.device)
-    pool = torch.zeros(state_shape(spec, nseq, hv), dtype=_TORCH_DTYPE[spec.state_dtype], device=q.device)
-    if initial_state is not None:
-        pool.copy_(initial_state)
+    sdt = _TORCH_DTYPE[spec.state_dtype]
+    pool = (initial_state.to(sdt, copy=True).contiguous() if initial_state is not None
+            else torch.zeros(state_shape(spec, nseq, hv), dtype=sdt, device=q.device))
     first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
     lengths = (cu[1:] - cu[:-1]).long()
     # Checkpoint m (after 16 (m + 1) tokens) goes to tile m + 1's slot; the one at the sequence's end (its
