@@ -570,7 +570,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a handful of configs instead of the full suites")
-    p.add_argument("--only", choices=("fixed", "varlen"), help="run one suite only")
+    p.add_argument("--only", choices=("fixed", "varlen", "long"),
+                   help="run one suite only (long: the T=65536 H=4 config of --long alone)")
     p.add_argument("--long", action="store_true", help="also run one sequence of T=65536 with H=4")
     p.add_argument("--iters", type=int, default=20, help="timed calls per config and measure (median)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each round's timed calls")
@@ -621,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     card = bench_fwd.detect_card(None, None)
     fla, fla_note = (None, "FLA disabled (--no-fla)") if args.no_fla else bench_fwd.load_fla()
     print(f"{card.name}; {fla_note}")
-    configs = bench_fwd.build_configs(args.quick, args.only, args.long, target.problem.gva_ratio)
+    configs = bench_fwd.build_configs(args.quick, args.only, args.long or args.only == "long",
+                                      target.problem.gva_ratio)
     if configs:
         inp = make_train_inputs(configs[0], torch.device("cuda"), target.problem)
         warm, _ = make_sides(inp, fla, target)  # a side that cannot be made: its rows report it

@@ -7,7 +7,8 @@ Four parts, in order:
    (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
-   states, from prepare's tiles and dO alone.
+   states, from prepare's tiles and dO alone; split into segments by intra-card CP (`bwd_cp_*` stages)
+   where the forward's schedule would split the call.
 3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
    gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
 4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and q/k head, fp32 from prepare's
@@ -181,7 +182,8 @@ def run_backward(
     with kernel._stream_scope(device):
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
                                                         mats=mats)
-        kernel._bwd_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None))
+        kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
+                                 policy)
         kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
                          dv, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()

@@ -415,7 +415,7 @@ def make_plan(spec: KernelSpec) -> Plan:
         "cp_prescan", f"{shared}/recurrence.py.j2", {**rec_params, "mode": "prescan"},
         note="intra-card CP: each segment's affine state map",
     )
-    merge_params = _merge_params(spec)
+    merge_params = {**_merge_params(spec), "reverse": False}
     merge = StagePlan(
         "cp_merge", f"{shared}/cp_merge.py.j2", merge_params,
         note=f"intra-card CP: the maps combined in order, {_count(merge_params['stages'], 'map buffer')} in "
@@ -487,8 +487,25 @@ def make_plan(spec: KernelSpec) -> Plan:
     # The backward's reverse state scan (templates/mma_sync/bwd_scan.py.j2): the forward recurrence's shape
     # run last step to first on prepare's tiles and dO, in every family (it has the recurrence's products).
     bwd_scan = StagePlan(
-        "bwd_scan", f"{shared}/bwd_scan.py.j2", rec_params,
+        "bwd_scan", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "seq"},
         note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
+    )
+    # Its intra-card CP, when the forward's schedule splits the sequences into segments (the scan's serial
+    # chain is the forward's, step for step): each segment's map of the gradient, the maps combined last
+    # segment to first (the forward's merge walking backward, from the final states' fp32 gradient), and each
+    # segment's pass from its merged gradient.
+    bwd_prescan = StagePlan(
+        "bwd_cp_prescan", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "prescan"},
+        note="backward, intra-card CP: each segment's affine map of the state's gradient",
+    )
+    bwd_merge = StagePlan(
+        "bwd_cp_merge", f"{shared}/cp_merge.py.j2",
+        {**merge_params, "state_dtype": "Float32", "reverse": True},
+        note="backward, intra-card CP: the maps combined last segment to first",
+    )
+    bwd_segments = StagePlan(
+        "bwd_cp_segments", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "segment"},
+        note="backward, intra-card CP: each segment's reverse scan from its merged gradient",
     )
     # The backward's products with the states, one CTA a tile and head (templates/mma_sync/bwd_tile.py.j2).
     bwd_tile = StagePlan(
@@ -514,5 +531,5 @@ def make_plan(spec: KernelSpec) -> Plan:
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, *decode_stream,
-              bwd_prepare, bwd_scan, bwd_tile, bwd_grads)
+              bwd_prepare, bwd_scan, bwd_prescan, bwd_merge, bwd_segments, bwd_tile, bwd_grads)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -578,6 +578,8 @@ class KDAKernel:
         self._decode_stream = stages.get("decode_stream")  # the same, streamed by a persistent grid
         self._bwd_prepare = stages.get("bwd_prepare")  # prepare, also writing the tiles' Mqk and Akk
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
+        # and its intra-card CP: the segments' maps, their merge last to first, the segment pass
+        self._bwd_cp = tuple(stages.get(f"bwd_cp_{part}") for part in ("prescan", "merge", "segments"))
         self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time
         self._bwd_grads = stages.get("bwd_grads")  # the backward's per-tile algebra after bwd_tile
         params = {s.name: s.params for s in plan.stages}
@@ -782,6 +784,34 @@ class KDAKernel:
             self._bwd_prepare(*inputs, mats, float(scale), prepare_ctas, 0)
         return kd, qd, akt, aq, gt, cu
 
+    def _run_reverse_scan(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
+                          gt: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, dht: torch.Tensor,
+                          dh0: torch.Tensor, dh: torch.Tensor, has_dht: int,
+                          policy: SchedulePolicy | None) -> None:
+        """The backward's reverse scan (`kdagen.backward`) after `_run_prepare` (its tiles and clamped `cu`):
+        the state's gradient leaving every tile into `dh`, and `dh0`. Intra-card CP splits the sequences into
+        segments where the forward's schedule for this call would (the scan's serial chain is the forward
+        recurrence's, step for step, so the same decision fits): segment maps, their merge last segment to
+        first from `dht`, and every segment's pass from its merged gradient. On the current stream."""
+        total, hv, kdim = kd.shape
+        vdim = do.shape[2]
+        nseq = cu.numel() - 1
+        device = kd.device
+        sched = self._schedule(nseq, total, hv, self._sm_count(device), policy)
+        if sched.seg_len is None:
+            self._bwd_scan(kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht)
+            return
+        prescan, merge, segments = self._bwd_cp
+        seg_len = sched.seg_len
+        slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as in the forward
+        cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
+        seg_dh = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+        idx = self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+        prescan(kd, qd, akt, aq, gt, do, cu, cp_maps, seg_len)
+        merge(cp_maps, cu, dht, idx, init, seg_dh, has_dht, 0, seg_len)
+        segments(kd, qd, akt, aq, gt, do, cu, seg_dh, dh0, dh, seg_len)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -832,6 +862,9 @@ class KDAKernel:
                 q, k, v, g, beta, A_log, dt_bias, initial_state)):
             from kdagen.ops import kda_forward
 
+            # The op loads the spec's kernel afresh: a view's policy (`with_policy`) goes with the call.
+            if policy is None and self._policy != default_policy():
+                policy = self._policy
             return kda_forward(self.spec, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                initial_state=initial_state, output_final_state=output_final_state,
                                cu_seqlens=cu_seqlens, policy=policy, state_pool=state_pool,

@@ -106,9 +106,10 @@ class EmuKernel:
         # (bwd_grads' reference forms the tiles' Mqk and Akk itself: `mats` stays unwritten)
         return (None,) * 5 + (cu,)
 
-    def _bwd_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht):
+    def _run_reverse_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht, policy):
         """dS leaving every tile (at its tile id, [V, K]) and dh0 (the state layout), by the chunked
-        backward in fp64 from the inputs of the forward run last (the one `tile_states` ran)."""
+        backward in fp64 from the inputs of the forward run last (the one `tile_states` ran); the same
+        whether or not the device splits it into CP segments."""
         self.scans += 1
         x, s = self.last, self.spec
         p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,

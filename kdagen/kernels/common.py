@@ -130,6 +130,24 @@ def map_planes(mMaps: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, k: cu
 
 
 @cute.jit
+def store_segment_map(acc_s: cute.Tensor, coord_s: cute.Tensor, mMaps: cute.Tensor, slot: cutlass.Int32,
+                      hv: cutlass.Int32, v0: cutlass.Int32, m_part: cutlass.Boolean, k: cutlass.Constexpr,
+                      v: cutlass.Constexpr):
+    # A CP prescan's result for (segment slot, value head): the slices of the offset (rows v0.. of the map's
+    # first v fp32 rows), or, for the slices that ran from the identity (m_part, rows v0 - v..), the map M
+    # already split for the merge's bf16x3 products, into the planes of `map_planes`, which the merge copies
+    # straight into its B operand.
+    if m_part:
+        mM = map_planes(mMaps, slot, hv, k, v)
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r = v0 - v + coord_s[i][0]
+            mM[0, r, coord_s[i][1]], mM[1, r, coord_s[i][1]] = split_bf16(acc_s[i])
+    else:
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            mMaps[slot, hv, v0 + coord_s[i][0], coord_s[i][1]] = acc_s[i]
+
+
+@cute.jit
 def state_slots(mIdx: cute.Tensor, mInit: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32,
                 has_h0: cutlass.Int32, store_ht: cutlass.Int32, pooled: cutlass.Int32):
     # (slot read, slot written, padding) of sequence `seq`'s state, read once per sequence. A slot of -1 is

@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 import torch
 
+from kdagen.policy import SchedulePolicy
 from kdagen.reference import kda_reference_autograd, rel_rmse
 
 try:  # tests/gpu is not a package: pytest puts this folder on sys.path (rootdir-relative import mode)
-    from ._cases import CASES, SPECS, Case, build_inputs, kernel_for
+    from ._cases import CASES, SPECS, VL, Case, F, build_inputs, kernel_for
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _cases import CASES, SPECS, Case, build_inputs, kernel_for  # type: ignore[no-redef]
+    from _cases import CASES, SPECS, VL, Case, F, build_inputs, kernel_for  # type: ignore[no-redef]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -43,13 +44,16 @@ def _cases() -> list[tuple[str, Case]]:
 BWD = _cases()
 
 
-def _grads(spec: dict[str, Any], case: Case, recompute: bool) -> tuple[dict, dict]:
+def _grads(spec: dict[str, Any], case: Case, recompute: bool,
+           policy: SchedulePolicy | None = None) -> tuple[dict, dict]:
     inp = build_inputs(spec, case)
     names = [n for n in GRADS if inp.get(n) is not None]
     gen = torch.Generator(device="cuda").manual_seed(case.seed + 11)
     leaves = {n: inp[n].clone().requires_grad_() for n in names}
     args = {**inp, **leaves}
     kern = kernel_for_spec(spec)
+    if policy is not None:  # the view's policy schedules the forward and the backward
+        kern = kern.with_policy(policy)
     o, ht = kern(args["q"], args["k"], args["v"], args["g"], args["beta"], A_log=args["A_log"],
                  dt_bias=args["dt_bias"], initial_state=args["initial_state"], output_final_state=case.final,
                  cu_seqlens=args["cu_seqlens"], recompute=recompute)
@@ -97,10 +101,9 @@ def kernel_for_spec(spec: dict[str, Any]) -> Any:
     return kernel_for(name)
 
 
-@pytest.mark.parametrize(("spec_name", "case"), BWD, ids=[f"{s}-{c.id}" for s, c in BWD])
-def test_gradients(spec_name: str, case: Case) -> None:
+def _check_gradients(spec_name: str, case: Case, policy: SchedulePolicy | None = None) -> None:
     spec = SPECS[spec_name]
-    got, want = _grads(spec, case, recompute=True)
+    got, want = _grads(spec, case, recompute=True, policy=policy)
     # kda-math §4.1's rule: a gradient within 1e-6 of the reference everywhere passes (a zero gradient, such
     # as the gate's of a lone first token, has no relative error to speak of).
     errors = {n: 0.0 if float((got[n].double() - want[n]).abs().max()) <= 1e-6 else
@@ -109,6 +112,48 @@ def test_gradients(spec_name: str, case: Case) -> None:
         errors["A_log"] = _gate_error(spec, build_inputs(spec, case), got["A_log"], want["A_log"], want["g"])
     bad = {n: round(e, 5) for n, e in errors.items() if not e <= TOL[n]}
     assert not bad, f"error over the bound: {bad} (all: { {n: round(e, 5) for n, e in errors.items()} })"
+
+
+@pytest.mark.parametrize(("spec_name", "case"), BWD, ids=[f"{s}-{c.id}" for s, c in BWD])
+def test_gradients(spec_name: str, case: Case) -> None:
+    _check_gradients(spec_name, case)
+
+
+# Intra-card CP in the backward (the reverse scan in segments: maps, the merge last segment to first, the
+# segment pass), forced with short segments as in the forward's CP tests, so that small inputs have many
+# segments, segments that end mid-tile, empty sequences, dht carried through the merge and dh0 from each
+# sequence's first segment. The forward for the tile states runs in CP too.
+BWD_CP = [
+    ("lb_safe", F(2, 1000, 2, init=True), 256),
+    ("lb_safe", VL((0, 0, 1, 64, 65, 130, 700), 2, init=True), 64),
+    ("p_reset_vk_bbf16", VL((0, 15, 100, 300, 1000), 2, init=True, mask_p=0.3, hard_reset=True), 128),
+    ("softplus", F(1, 777, 1, init=True, mask_p=0.2, hard_reset=True), 48),
+    ("lb_safe_gva4_k64v64", F(1, 1000, 1, init=True), 160),
+    ("p_reset_gva2_k64v128", F(1, 600, 2, init=True, final=False), 64),
+    ("lb_safe_mma_sync_logit_x2", F(1, 700, 2, init=True), 96),
+    ("lb_safe_sbf16", F(1, 900, 2, init=True), 128),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "case", "seg"), BWD_CP, ids=[f"{n}-{c.id}-cp{s}" for n, c, s in BWD_CP]
+)
+def test_gradients_with_intracard_cp(spec_name: str, case: Case, seg: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The autograd op loads the spec's kernel (the same object): its CP stages are counted on the way.
+    kern = kernel_for(spec_name)
+    calls: list[str] = []
+
+    def counted(name: str, stage: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return stage(*args)
+        return call
+
+    monkeypatch.setattr(kern, "_bwd_cp", tuple(counted(n, f) for n, f in zip(
+        ("prescan", "merge", "segments"), kern._bwd_cp, strict=True)))
+    _check_gradients(spec_name, case, SchedulePolicy(intracard_cp=seg))
+    assert calls == ["prescan", "merge", "segments"], calls  # the reverse scan ran in segments
 
 
 SAVED = [("lb_safe", c) for c in CASES["lb_safe"][:4]] + [("p_reset_vk_bbf16", CASES["p_reset_vk_bbf16"][1])]
