@@ -274,22 +274,38 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             tS[i] = acc_s[i].to(mS.element_type)
     elif cutlass.const_expr(kv_layout):
-        # Lane 4g + q holds rows g and g + 8 (of each 16), keys 2q + 8j and 2q + 8j + 1: with its partner
-        # (row g ^ 1) the even-row lane keeps key 2q + 8j of both rows, the odd-row one key 2q + 8j + 1 (its
-        # base is a key on and a row back).
+        # Lane 4g + q holds rows g and g + 8 (of each 16), keys 2q + 8j and 2q + 8j + 1. Two exchanges
+        # transpose them into 4 contiguous rows of one key a lane: with its partner 4 lanes away (row g ^ 1)
+        # the even-row lane keeps key 2q + 8j of both rows, the odd-row one key 2q + 8j + 1; then with the
+        # one 8 lanes away (row g ^ 2) the lower lane keeps rows g0, g0 + 1 and takes g0 + 2, g0 + 3 (g0 =
+        # g & ~1), the upper one keeps rows g0 + 8, g0 + 9 and takes the two below. A warp's store then
+        # writes 16 rows of 8 keys: whole 32-byte sectors. The lane's base is a key on if odd, and
+        # 6 rows on if upper, a row back if odd.
         s_k = mS.layout.stride[2]
         odd = first[0] % 2
+        upper = (first[0] // 2) % 2
         is_odd = odd == 1
+        is_upper = upper == 1
         off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + v0 + first[0]
-               + first[1] * s_k + odd * (s_k - 1))
-        base = mS.iterator + cute.assume(off, divby=2)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), mS.element_type)
-        for i in cutlass.range_constexpr(0, cute.size(acc_s), 2):
-            assert tS.layout(i + 1) - tS.layout(i) == tS.layout(1) - tS.layout(0), "accumulator pairs"
+               + first[1] * s_k + odd * (s_k - 1) + upper * 6)
+        base = mS.iterator + cute.assume(off, divby=4)
+        quad = cute.make_rmem_tensor(cute.make_layout(4), mS.element_type)
+        for i, i8 in _row_halves(tS.layout, cute.size(acc_s)):
+            # after the first exchange: this lane's key in rows (g0, g0 + 1) and (g0 + 8, g0 + 9)
             r = cute.arch.shuffle_sync_bfly(cutlass.select_(is_odd, acc_s[i], acc_s[i + 1]), offset=4)
-            pair[0] = cutlass.Float32(cutlass.select_(is_odd, r, acc_s[i])).to(mS.element_type)
-            pair[1] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i + 1], r)).to(mS.element_type)
-            cute.autovec_copy(pair, cute.make_tensor(base + tS.layout(i), cute.make_layout(2)))
+            r8 = cute.arch.shuffle_sync_bfly(cutlass.select_(is_odd, acc_s[i8], acc_s[i8 + 1]), offset=4)
+            lo0 = cutlass.select_(is_odd, r, acc_s[i])
+            lo1 = cutlass.select_(is_odd, acc_s[i + 1], r)
+            hi0 = cutlass.select_(is_odd, r8, acc_s[i8])
+            hi1 = cutlass.select_(is_odd, acc_s[i8 + 1], r8)
+            # the second: the lower lane sends its rows g0 + 8, g0 + 9, the upper one its rows g0, g0 + 1
+            y0 = cute.arch.shuffle_sync_bfly(cutlass.select_(is_upper, lo0, hi0), offset=8)
+            y1 = cute.arch.shuffle_sync_bfly(cutlass.select_(is_upper, lo1, hi1), offset=8)
+            quad[0] = cutlass.Float32(cutlass.select_(is_upper, y0, lo0)).to(mS.element_type)
+            quad[1] = cutlass.Float32(cutlass.select_(is_upper, y1, lo1)).to(mS.element_type)
+            quad[2] = cutlass.Float32(cutlass.select_(is_upper, hi0, y0)).to(mS.element_type)
+            quad[3] = cutlass.Float32(cutlass.select_(is_upper, hi1, y1)).to(mS.element_type)
+            cute.autovec_copy(quad, cute.make_tensor(base + tS.layout(i), cute.make_layout(4)))
     else:
         off = (slot * mS.layout.stride[0] + hv * mS.layout.stride[1] + (v0 + first[0]) * mS.layout.stride[2]
                + first[1])
@@ -310,6 +326,25 @@ def store_state_tile(thr_s, acc_s: cute.Tensor, mS: cute.Tensor, slot: cutlass.I
             quad[2] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i2], r0)).to(mS.element_type)
             quad[3] = cutlass.Float32(cutlass.select_(is_odd, acc_s[i2 + 1], r1)).to(mS.element_type)
             cute.autovec_copy(quad, cute.make_tensor(base + tS.layout(i), cute.make_layout(4)))
+
+
+def _row_halves(layout, n: int) -> list[tuple[int, int]]:
+    # Trace time: the accumulator elements (i, i8) whose key pairs (i, i + 1) and (i8, i8 + 1) are 8 rows
+    # apart, the first in the upper half of a 16-row block, over a K-first tile (rows contiguous). An MMA
+    # accumulator holds a thread's rows g and g + 8 of each 16, so every element falls in one such group.
+    offs = [layout(i) for i in range(n)]
+    at = {o: i for i, o in enumerate(offs)}
+    step = offs[1] - offs[0]  # the key stride: elements i, i + 1 are a key pair
+    groups = []
+    for i in range(0, n, 2):
+        o = offs[i]
+        assert offs[i + 1] == o + step, "accumulator pairs not adjacent"
+        if (o % step) % 16 == 0:  # a row g element (rows are contiguous: o mod the key stride is the row)
+            i8 = at[o + 8]
+            assert offs[i8 + 1] == o + 8 + step, "accumulator pairs not adjacent"
+            groups.append((i, i8))
+    assert 4 * len(groups) == n, "accumulator rows do not form 8-apart halves"
+    return groups
 
 
 def _key_quads(layout, n: int) -> list[tuple[int, int]]:
