@@ -33,6 +33,7 @@ __all__ = [
     "zero_rows",
     "zero_padding_tail",
     "find_run",
+    "segment_run",
     "seq_of_slice",
     "tile_rows",
     "fused_mode",
@@ -465,6 +466,21 @@ def find_run(mCu: cute.Tensor, unit: cutlass.Int32, slot: cutlass.Int32) -> cutl
         else:
             hi = mid
     return lo
+
+
+@cute.jit
+def segment_run(mCu: cute.Tensor, seg_len: cutlass.Int32, z: cutlass.Int32, bt: cutlass.Constexpr):
+    # Segment slot z of intra-card CP (the map z = floor(bos / seg_len) + seq + j, as for tiles): its
+    # sequence, the sequence's offsets, the segment's index j in it, its first token, its length (<= 0
+    # where the sequence has no segment j) and its first step. Offsets clamped into [0, T] by the caller.
+    seq = find_run(mCu, seg_len, z)
+    bos = mCu[seq]
+    eos = mCu[seq + 1]
+    j = z - (bos // seg_len + seq)
+    run0 = bos + j * seg_len
+    run_len = cutlass.max(cutlass.min(seg_len, eos - run0), 0)
+    step0 = j * (seg_len // bt)
+    return seq, bos, eos, j, run0, run_len, step0
 
 
 @cute.jit
