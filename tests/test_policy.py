@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdagen import paths, policy
 from kdagen.plan import make_plan
@@ -168,6 +169,54 @@ def test_get_kernel_passes_the_policy(monkeypatch: pytest.MonkeyPatch):
     assert kdagen.get_kernel("x") is base
     view = kdagen.get_kernel("x", policy=SchedulePolicy(fused="off"))
     assert view.policy == SchedulePolicy(fused="off") and view._forward is base._forward
+
+
+def test_autograd_call_of_a_view_carries_its_policy(monkeypatch: pytest.MonkeyPatch):
+    # A call that records an autograd node runs the op, which loads the spec's kernel afresh: the view's
+    # policy must travel with the call (the base kernel's default needs no word).
+    import kdagen.ops
+
+    seen: list[object] = []
+    monkeypatch.setattr(kdagen.ops, "kda_forward", lambda *a, **kw: seen.append(kw["policy"]))
+    base = _kernel()
+    view = base.with_policy(SchedulePolicy(intracard_cp=64))
+    q = torch.zeros(1, 16, 1, 128, requires_grad=True)
+    v = torch.zeros(1, 16, 1, 128)
+    view(q, q, v, v, torch.zeros(1, 16, 1))
+    base(q, q, v, v, torch.zeros(1, 16, 1))
+    view(q, q, v, v, torch.zeros(1, 16, 1), policy=SchedulePolicy(intracard_cp="off"))
+    assert seen == [SchedulePolicy(intracard_cp=64), None, SchedulePolicy(intracard_cp="off")]
+
+
+@pytest.mark.parametrize(("nseq", "total", "hv", "seg"), [(1, 65536, 4, 2048), (2, 16384, 64, None)])
+def test_backward_scan_splits_where_the_forward_would(monkeypatch: pytest.MonkeyPatch, nseq: int, total: int,
+                                                      hv: int, seg: int | None):
+    # The reverse scan takes the forward's CP decision for the call: segment maps, the merge last to first
+    # from dht, the segment pass; or the whole-sequence stage.
+    calls: list[tuple] = []
+    names = ("bwd_scan", "bwd_cp_prescan", "bwd_cp_merge", "bwd_cp_segments")
+    s = KernelSpec(arch="sm_90a")
+    plan = make_plan(s)
+    stages = {n: (lambda *a, n=n: calls.append((n, a))) if n in names else (lambda *a: None)
+              for n in plan.stage_names}
+    kern = KDAKernel(s, plan, stages)
+    monkeypatch.setattr(kern, "_sm_count", lambda device: SMS)
+    kd = torch.empty(total, hv, 128, dtype=torch.bfloat16)
+    do = torch.empty(total, hv, 128, dtype=torch.bfloat16)
+    cu = torch.arange(0, total + 1, total // nseq, dtype=torch.int32)
+    dht = torch.zeros(1, hv, 128, 128)
+    args = (kd, kd, kd, kd[..., :16], torch.empty(1), do, cu, dht, torch.empty(1), torch.empty(1), 0)
+    kern._run_reverse_scan(*args, None)
+    if seg is None:
+        assert [n for n, _ in calls] == ["bwd_scan"] and calls[0][1] == args
+        return
+    assert [n for n, _ in calls] == list(names[1:])
+    (_, pre), (_, merge), (_, segs) = calls
+    slots = total // seg + nseq + 1
+    assert pre[-1] == merge[-1] == segs[-1] == seg
+    assert pre[7].shape == (slots, hv, 256, 128) and merge[0] is pre[7]  # maps: B^T rows, then M's planes
+    assert merge[2] is dht and merge[6] == 0 and merge[7] == 0  # from dht (has_dht = 0: zero), not pooled
+    assert segs[7] is merge[5] and segs[7].shape == (slots, hv, 128, 128)  # the merged gradient per segment
 
 
 # ---- intra-card CP ----
