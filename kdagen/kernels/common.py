@@ -34,6 +34,7 @@ __all__ = [
     "zero_padding_tail",
     "find_run",
     "segment_run",
+    "store_segment_map",
     "seq_of_slice",
     "tile_rows",
     "fused_mode",
