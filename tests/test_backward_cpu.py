@@ -1,7 +1,8 @@
 """The backward's plumbing on the CPU (`kdagen.backward`, the ``kdagen::forward_train`` and
 ``kdagen::backward`` ops and their autograd registration), on a kernel whose device parts are emulated in
 fp64: its forward (the pool form with a checkpoint every tile, as `tile_states` calls it) is the reference's,
-and its reverse scan (`bwd_scan`) is the chunked backward's state gradient, a chunk at a time. Everything
+and its reverse scan (`bwd_scan`, or the `bwd_cp_*` stages in CP segments) is the chunked backward's state
+gradient, a chunk at a time, whole or in the segmented form. Everything
 else runs as on the GPU: the tile map, the states' and dS's layouts, the chunk-local backward, the gate's,
 l2norm's and beta's backward and the GVA sums, both recompute modes. The gradients must equal those of the
 fp64 autograd oracle (`kda_reference_autograd`) over gate modes, GVA, varlen with partial tiles, both state
@@ -18,6 +19,7 @@ import torch
 import kdagen
 from kdagen import ops
 from kdagen.chunk_math import chunk_parts, chunk_stage_backward
+from kdagen.policy import SchedulePolicy
 from kdagen.reference import (
     _prepare,
     _seq_bounds,
@@ -42,6 +44,7 @@ class EmuKernel:
         self.spec = spec
         self.last: dict[str, Any] = {}
         self.scans = 0
+        self.segmented = 0  # reverse scans run in CP segments
 
     def _opts(self) -> dict[str, Any]:
         s = self.spec
@@ -108,8 +111,10 @@ class EmuKernel:
 
     def _run_reverse_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht, policy):
         """dS leaving every tile (at its tile id, [V, K]) and dh0 (the state layout), by the chunked
-        backward in fp64 from the inputs of the forward run last (the one `tile_states` ran); the same
-        whether or not the device splits it into CP segments."""
+        backward in fp64 from the inputs of the forward run last (the one `tile_states` ran). A policy that
+        forces intra-card CP (segments of `intracard_cp` tokens) takes the device's segmented form: every
+        segment's offset (from zero) and linear map (from the identity with dO = 0), the maps combined last
+        segment to first from dht, then every segment again from its merged gradient."""
         self.scans += 1
         x, s = self.last, self.spec
         p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,
@@ -119,23 +124,48 @@ class EmuKernel:
         hv, kdim, vdim = p.v.shape[2], p.k.shape[-1], p.v.shape[-1]
         seqlen = p.v.shape[1]
         dO = do.double().view(p.v.shape)
-        # The states entering the tiles are not needed for dS (the scan never reads them), so any S works:
-        # chunk_stage_backward's dS_in does not depend on S.
+        seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
+        self.segmented += seg is not None
+
+        def back(b, bos, a, e, dS, d_o, tiles):
+            # dS back through tokens [a, e) of the sequence at bos in batch row b (a tile-aligned run); the
+            # gradient leaving each tile to dh at its tile id when given the sequence's tile base. The states
+            # entering the tiles are not needed for dS (chunk_stage_backward's dS_in does not depend on S).
+            for c0 in reversed(range(a, e, 16)):
+                c1 = min(c0 + 16, e)
+                if tiles is not None:
+                    dh[tiles + (c0 - bos) // 16] = dS.transpose(-1, -2).float()
+                sl = (b, slice(c0, c1))
+                S = torch.zeros(hv, kdim, dS.shape[-1], dtype=torch.float64)
+                v0 = torch.zeros(hv, c1 - c0, dS.shape[-1], dtype=torch.float64)
+                dS = chunk_stage_backward(*(t[sl].transpose(0, 1) for t in (p.q, p.k)), v0,
+                                          *(t[sl].transpose(0, 1) for t in (p.g, p.beta)), S,
+                                          d_o[sl].transpose(0, 1), dS)["dS"]
+            return dS
+
+        no_do = torch.zeros(*p.v.shape[:3], kdim, dtype=torch.float64)
+        eye = torch.eye(kdim, dtype=torch.float64).expand(hv, kdim, kdim)
         for i, (b, bos, eos) in enumerate(_seq_bounds(p.v.shape[0], seqlen, x["cu_seqlens"])):
-            start = b * seqlen + bos
+            tiles = (b * seqlen + bos) // 16 + i  # the kernels' tile-id map
             dS = torch.zeros(hv, kdim, vdim, dtype=torch.float64)
             if has_dht:
                 d = dht[i].double()
                 dS = d.transpose(-1, -2) if s.state_layout == "vk" else d
-            starts = list(range(bos, eos, 16))
-            for c0 in reversed(starts):
-                c1 = min(c0 + 16, eos)
-                tile = start // 16 + i + (c0 - bos) // 16  # the kernels' tile-id map
-                dh[tile] = dS.transpose(-1, -2).float()
-                sl = (b, slice(c0, c1))
-                S = torch.zeros(hv, kdim, vdim, dtype=torch.float64)
-                dS = chunk_stage_backward(*(t[sl].transpose(0, 1) for t in (p.q, p.k, p.v, p.g, p.beta)), S,
-                                          dO[sl].transpose(0, 1), dS)["dS"]
+            if seg is None:
+                dS = back(b, bos, bos, eos, dS, dO, tiles)
+            else:
+                runs = [(a, min(a + seg, eos)) for a in range(bos, eos, seg)] or [(bos, bos)]
+                zero = torch.zeros_like(dS)
+                # dS entering a segment = its map @ dS leaving it + its offset
+                offsets = [back(b, bos, a, e, zero, dO, None) for a, e in runs]
+                maps = [back(b, bos, a, e, eye, no_do, None) for a, e in runs]
+                leaving = [dS] * len(runs)
+                for j in reversed(range(1, len(runs))):
+                    leaving[j - 1] = maps[j] @ leaving[j] + offsets[j]
+                for j in reversed(range(len(runs))):
+                    dS_j = back(b, bos, *runs[j], leaving[j], dO, tiles)
+                    if j == 0:
+                        dS = dS_j
             dh0[i] = (dS.transpose(-1, -2) if s.state_layout == "vk" else dS).float()
 
     def _bwd_tile(self, kd, akt, aq, v, do, cu, states, dh, dv, dqd, dkd, dakt, daq, dgt):
@@ -230,6 +260,21 @@ def _case(fields: dict, B: int, T: int, H: int, HV: int, cu: list[int] | None, i
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_gradients_match_the_oracle(emu: dict, case: tuple, recompute: bool) -> None:
+    kern = _check_gradients(case, recompute)
+    assert kern.segmented == 0
+
+
+@pytest.mark.parametrize("seg", [16, 32])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gradients_through_cp_segments(emu: dict, case: tuple, seg: int) -> None:
+    # The reverse scan in intra-card CP's segmented form (offsets, maps, the merge last segment to first,
+    # the segment pass) gives the oracle's gradients: segments of one or two tiles over these short
+    # sequences, some ending mid-tile, an empty sequence, dht carried through the merge.
+    kern = _check_gradients(case, True, SchedulePolicy(intracard_cp=seg))
+    assert kern.segmented == 1
+
+
+def _check_gradients(case: tuple, recompute: bool, policy: SchedulePolicy | None = None) -> EmuKernel:
     _, fields, B, T, H, HV, cu, init = case
     spec, x = _case(fields, B, T, H, HV, cu, init)
     names = [n for n in GRADS if x.get(n) is not None]
@@ -241,7 +286,7 @@ def test_gradients_match_the_oracle(emu: dict, case: tuple, recompute: bool) -> 
     o, ht = kern(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                  A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"),
                  initial_state=leaves.get("initial_state"), output_final_state=True, cu_seqlens=cu_t,
-                 recompute=recompute)
+                 recompute=recompute, policy=policy)
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     dht = torch.randn(ht.shape, generator=gen)
     torch.autograd.backward((o, ht), (do, dht))
@@ -262,6 +307,7 @@ def test_gradients_match_the_oracle(emu: dict, case: tuple, recompute: bool) -> 
         # rounding shows at up to 1.5% of it, where a state in a wrong slot or tile shows at O(1).
         bound = 2e-2 if n == "A_log" else 5e-3
         assert rel_rmse(want, got.double()) < bound, (n, rel_rmse(want, got.double()))
+    return kern
 
 
 def test_only_the_final_state_carries_a_gradient(emu: dict) -> None:
