@@ -179,12 +179,10 @@ def run_decode(
 
     idx = state_indices if state_indices.dim() == 2 else state_indices.view(nreq, 1)
     idx = _prepared(idx.to(torch.int32) if idx.dtype != torch.int32 else idx)
-    dummy = kernel._cached(("dec1", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
-    acc = dummy
+    acc, init = kernel._no_pool(device)  # one-element stand-ins, read only where given
     if num_accepted_tokens is not None:
         acc = _prepared(num_accepted_tokens.to(torch.int32) if num_accepted_tokens.dtype != torch.int32
                         else num_accepted_tokens)
-    init = kernel._cached(("dec1u8", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
     if has_initial_state is not None:
         init = _prepared(has_initial_state.view(torch.uint8))
     if cu_seqlens is None:

@@ -557,6 +557,17 @@ def _zero_fresh_slots(state_pool: torch.Tensor, idx: torch.Tensor, has_initial_s
     state_pool.masked_fill_((marks > 0).view(-1, 1, 1, 1), 0.0)
 
 
+def _cp_buffers(total: int, nseq: int, hv: int, kdim: int, vdim: int, seg_len: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Intra-card CP's per-segment buffers, the forward's and the backward's: the prescan's maps (B^T rows,
+    then M's bf16 planes in the bytes of K fp32 rows) and the merge's state (or gradient) for every
+    segment, over the segment-slot map's bound (as for tiles)."""
+    slots = total // seg_len + nseq + 1
+    cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
+    seg_states = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+    return cp_maps, seg_states
+
+
 class KDAKernel:
     """A loaded, ready-to-call KDA forward for one spec.
 
@@ -663,6 +674,12 @@ class KDAKernel:
         if t is None:
             t = self._dummies[key] = make()
         return t
+
+    def _no_pool(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # One-element stand-ins for state_indices (int32) and has_initial_state (bytes) where the stages
+        # read neither (no pool; every sequence's flag implied).
+        return (self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device)),
+                self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device)))
 
     def _gate_args(self, A_log: Any, dt_bias: Any, hv: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         # (A_log [HV], dt_bias [HV * K]) for an in-kernel gate, zeros where not given; () for a precomputed g.
@@ -803,11 +820,8 @@ class KDAKernel:
             return
         prescan, merge, segments = self._bwd_cp
         seg_len = sched.seg_len
-        slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as in the forward
-        cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
-        seg_dh = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
-        idx = self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
-        init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+        cp_maps, seg_dh = _cp_buffers(total, nseq, hv, kdim, vdim, seg_len, device)
+        idx, init = self._no_pool(device)
         prescan(kd, qd, akt, aq, gt, do, cu, cp_maps, seg_len)
         merge(cp_maps, cu, dht, idx, init, seg_dh, has_dht, 0, seg_len)
         segments(kd, qd, akt, aq, gt, do, cu, seg_dh, dh0, dh, seg_len)
@@ -967,7 +981,7 @@ class KDAKernel:
             h0 = ht_arg = state_pool
             idx = _prepared(state_indices if state_indices.dtype == torch.int32
                             else state_indices.to(torch.int32))
-            init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+            init = self._no_pool(device)[1]
             if has_initial_state is not None:
                 init = _prepared(has_initial_state.view(torch.uint8))
             has_h0, store_ht = (1 if has_initial_state is None else 2), 1
@@ -975,8 +989,7 @@ class KDAKernel:
             unused = self._cached(("state", device, hv), lambda: torch.zeros(
                 self._state_shape(1, hv), dtype=self._state_dtype, device=device))
             h0 = _prepared(initial_state) if initial_state is not None else unused
-            idx = self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
-            init = self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device))
+            idx, init = self._no_pool(device)
             if output_final_state:
                 ht = torch.empty(self._state_shape(nseq, hv), dtype=self._state_dtype, device=device)
             ht_arg = ht if ht is not None else unused
@@ -1027,9 +1040,7 @@ class KDAKernel:
             v2, o2 = v.view(total, hv, vdim), o.view(total, hv, vdim)
             prescan, merge, segments = self._cp
             seg_len = sched.seg_len
-            slots = total // seg_len + nseq + 1  # bound of the segment-slot map, as for tiles
-            cp_maps = torch.empty((slots, hv, vdim + kdim, kdim), dtype=torch.float32, device=device)
-            seg_h0 = torch.empty((slots, hv, vdim, kdim), dtype=torch.float32, device=device)
+            cp_maps, seg_h0 = _cp_buffers(total, nseq, hv, kdim, vdim, seg_len, device)
             prescan(kd, qd, akt, aq, gt, v2, cu, cp_maps, seg_len)
             # The merge reads each sequence's initial state, the segment pass writes its final one (on a
             # pool, the same slot: the merge has read it by then).
