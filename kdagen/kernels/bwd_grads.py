@@ -12,8 +12,10 @@ parts (the decays' cumsum and its reverse, the intra-tile products back to q and
 shared, each thread computing a few of their entries. Without the safe gate the decays exp(G_r - G_s) are
 taken pair by pair (s <= r, so every factor is <= 1): exact for any gate, hard resets included; with it they
 go through a mid-tile anchor (`_value_head`). The gate's parameters get per-tile partial sums ([tile, HV, K])
-that the caller adds up in a fixed order: no float atomics. `kdagen.tile_grads` is the same computation in
-torch (its reference).
+that the caller adds up in a fixed order: no float atomics. The gate's and beta's transcendental functions
+take their hardware approximations (ex2.approx, rcp.approx), as the forward's prepare stage does: an IEEE
+division and an accurate exp a row cost more issue slots than the row's arithmetic. `kdagen.tile_grads` is
+the same computation in torch (its reference).
 """
 
 from dataclasses import dataclass
@@ -23,10 +25,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kdagen.kernels.gate import beta_value, decay, log_decay
+from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
-__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "sigmoid", "softplus"]
+__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums"]
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
@@ -65,19 +67,36 @@ class GradsConfig:
 
 @cute.jit
 def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, warps: cutlass.Constexpr):
-    # vals[i] (n values a thread) -> their sums over the CTA's threads, in every thread: warp sums by
-    # shuffles, then the warps' partial sums in a fixed order (the same bits every run).
+    # vals[i] (n values a thread, n a power of two <= 32) -> their sums over the CTA's threads, in every
+    # thread; sRed holds warps + 1 rows of n. A warp sums by a transposing butterfly: each step hands half of
+    # a lane's values to its partner and adds the partner's half of its own, so after log2(n) steps lane l
+    # holds the warp's sum of value l % n, in n - 1 shuffles (a plain butterfly a value takes 5 n). Thread i
+    # then adds the warps' sums of value i in order, and every thread reads the n totals: the same bits
+    # every run.
     warp = tidx // 32
-    for i in cutlass.range_constexpr(n):
-        s = cute.arch.warp_reduction_sum(vals[i])
-        if tidx % 32 == 0:
-            sRed[warp, i] = s
+    lane = tidx % 32
+    for step in cutlass.range_constexpr(n.bit_length() - 1):
+        half = n >> (step + 1)
+        upper = (lane & half) != 0
+        for i in cutlass.range_constexpr(half):
+            send = cutlass.select_(upper, vals[i], vals[i + half])
+            keep = cutlass.select_(upper, vals[i + half], vals[i])
+            vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=half)
+    for step in cutlass.range_constexpr(6 - n.bit_length()):  # lanes l and l + n hold parts of one value
+        vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=n << step)
+    if lane < n:
+        sRed[warp, lane] = vals[0]
     cute.arch.sync_threads()
-    for i in cutlass.range_constexpr(n):
-        t = F32(0.0)
-        for w in cutlass.range_constexpr(warps):
-            t = t + sRed[w, i]
-        vals[i] = t
+    if tidx < n:
+        t = sRed[0, tidx]
+        for w in cutlass.range_constexpr(1, warps):
+            t = t + sRed[w, tidx]
+        sRed[warps, tidx] = t
+    cute.arch.sync_threads()
+    for i0 in cutlass.range_constexpr(0, n, 4):
+        v = cute.make_tensor(sRed.iterator + warps * n + i0, cute.make_layout((4,))).load()
+        for i in cutlass.range_constexpr(4):
+            vals[i0 + i] = v[i]
     cute.arch.sync_threads()
 
 
@@ -124,17 +143,6 @@ def _prefetch_row(cfg: cutlass.Constexpr, mDqd, mDkd, mG, hv, tr, c, slot: cutla
 
 
 @cute.jit
-def sigmoid(x):
-    return 1.0 / (1.0 + cute.math.exp(-x))
-
-
-@cute.jit
-def softplus(y):
-    # max(y, 0) + log(1 + e^-|y|): exact in both tails (as the forward's gate)
-    return cutlass.max(y, 0.0) + cute.math.log(1.0 + cute.math.exp(-cute.math.absf(y)))
-
-
-@cute.jit
 def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats,
                mDq, mDk, mDg, mDbeta, mDaLog, mDdt, mma, scale, tile, h, t0, rows, tidx):
     """Tile `tile` (its rows t0 .. t0 + rows) and q/k head h, by the CTA's K threads (`tidx` = key column).
@@ -163,7 +171,9 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     sDL = smem.allocate_tensor(F32, mat, 16)
     sDAkk = smem.allocate_tensor(F32, rows16, 16)
     sB = smem.allocate_tensor(F32, cute.make_layout((cfg.bt,)), 16)
-    sRed = smem.allocate_tensor(F32, cute.make_layout((cfg.k // 32, 2 * cfg.bt), stride=(2 * cfg.bt, 1)), 16)
+    # the row sums' warp sums and their totals (`row_sums`)
+    sRed = smem.allocate_tensor(F32, cute.make_layout((cfg.k // 32 + 1, 2 * cfg.bt), stride=(2 * cfg.bt, 1)),
+                                16)
     # 1/|q_r|, 1/|k_r|
     sNorm = smem.allocate_tensor(F32, cute.make_layout((2, cfg.bt), stride=(cfg.bt, 1)), 16)
     c = tidx
@@ -248,7 +258,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     acc = F32(0.0)
     for r in cutlass.range_constexpr(cfg.bt):
         tr = cutlass.min(t0 + r, last)
-        g_r = log_decay(mG[tr, hv, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound)
+        g_r = log_decay(mG[tr, hv, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
         x_g = cutlass.select_(r < rows, g_r, F32(0.0))
         x_a = cutlass.select_(r < rows, mDakt[tr, hv, c], F32(0.0))
         acc = acc + x_g
@@ -283,8 +293,10 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             x = F32(0.0)
             if r == j_col:
                 x = F32(1.0)
+            dot = F32(0.0)
             for j in cutlass.range_constexpr(r):
-                x = x - sB[r] * sAkk[r, j] * rT[j]
+                dot = dot + sAkk[r, j] * rT[j]
+            x = x - sB[r] * dot
             rT[r] = x
             sT[r, j_col] = x
             sP[r, j_col] = x * sB[j_col]
@@ -340,7 +352,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             db = db + sDL[c, i] * sAkk[c, i]
         if tidx < rows:
             if cutlass.const_expr(cfg.beta != "prob"):
-                sg = sigmoid(mBeta[t0 + tidx, hv].to(F32))
+                sg = sigmoid(mBeta[t0 + tidx, hv].to(F32), True)
                 db = db * sg * (1.0 - sg)
                 if cutlass.const_expr(cfg.beta == "logit_x2"):
                     db = db * 2.0
@@ -354,7 +366,8 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     for j in cutlass.range_constexpr(PREFETCH_ROWS):
         _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + cfg.bt - 1 - j, last), c, j, pre_qd, pre_kd,
                       pre_g)
-    # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last.
+    # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last. P is
+    # lower triangular (T's entries above the diagonal are exact zeros of the solve), so row r sums r + 1.
     rdkg = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     d_akt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     for i in cutlass.range_constexpr(cfg.bt):
@@ -362,7 +375,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     d_last = mDgt[tile, hv, c] * decay(g_last)  # exp(G_last) on the state
     for r in cutlass.range_constexpr(cfg.bt):
         dkg = F32(0.0)
-        for i in cutlass.range_constexpr(cfg.bt):
+        for i in cutlass.range_constexpr(r + 1):
             dkg = dkg + sP[r, i] * d_akt[i]
         rdkg[r] = dkg
         d_last = d_last + dkg * sKg[r, c]
@@ -411,7 +424,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
                 if cutlass.const_expr(cfg.safe_gate):
                     dq_r = dq_r + a * kt[s]
                     dk_r = dk_r + b * kt[s]
-                    rdc[s] = rdc[s] + (a * qe + b * ke)
+                    rdc[s] = rdc[s] + a * qe + b * ke
                 else:
                     w = decay(rG[r] - rG[s])
                     k_s = sK[s, c] * w
@@ -436,7 +449,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         elif cutlass.const_expr(cfg.gate == "lower_bound"):
             # g = lb sigmoid(z), z = a (x + dt); rows past the tile's end add nothing
             z = a_scale * (x_g + dt)
-            sg = sigmoid(z)
+            sg = sigmoid(z, True)
             dz = cutlass.select_(r < rows, acc * (cfg.lower_bound * sg * (1.0 - sg)), F32(0.0))
             d_dt = d_dt + dz * a_scale
             d_alog = d_alog + dz * z
@@ -446,9 +459,9 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             # g = -a softplus(y), y = x + dt; rows past the tile's end add nothing
             y = x_g + dt
             d_y = cutlass.select_(r < rows, -acc * a_scale, F32(0.0))
-            dx = d_y * sigmoid(y)
+            dx = d_y * sigmoid(y, True)
             d_dt = d_dt + dx
-            d_alog = d_alog + d_y * softplus(y)
+            d_alog = d_alog + d_y * softplus(y, True)
             if r < rows:
                 mDg[t0 + r, hv, c] = dx.to(cfg.g_dtype)
     if cutlass.const_expr(cfg.gate != "precomputed"):

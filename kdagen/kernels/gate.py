@@ -5,24 +5,49 @@ the gate per token, where the prepare tile's fragment form (`kdagen.kernels.prep
 import cutlass
 import cutlass.cute as cute
 
-__all__ = ["LOG2E", "log_decay", "decay", "beta_value"]
+__all__ = ["LOG2E", "log_decay", "decay", "beta_value", "sigmoid", "softplus"]
 
 LOG2E = 1.4426950408889634
+F32_ZERO = cutlass.Float32(0.0)
 
 
 @cute.jit
-def log_decay(x, dt, a_scale, gate: cutlass.Constexpr, lower_bound: cutlass.Constexpr):
+def sigmoid(x, approx: cutlass.Constexpr = False):
+    """1 / (1 + e^-x). `approx`: through ex2.approx and rcp.approx (a few ulp; no IEEE division, which
+    takes a dozen instructions and a branch), as the prepare stage's gate."""
+    s = x
+    if cutlass.const_expr(approx):
+        s = cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2E, approx=True, ftz=True))
+    else:
+        s = 1.0 / (1.0 + cute.math.exp(-x))
+    return s
+
+
+@cute.jit
+def softplus(y, approx: cutlass.Constexpr = False):
+    """max(y, 0) + log(1 + e^-|y|): exact in both tails, no overflow. `approx`: e^-|y| by ex2.approx."""
+    e = F32_ZERO
+    if cutlass.const_expr(approx):
+        e = cute.math.exp2(-cute.math.absf(y) * LOG2E, approx=True, ftz=True)
+    else:
+        e = cute.math.exp(-cute.math.absf(y))
+    return cutlass.max(y, 0.0) + cute.math.log(1.0 + e)
+
+
+@cute.jit
+def log_decay(x, dt, a_scale, gate: cutlass.Constexpr, lower_bound: cutlass.Constexpr,
+              approx: cutlass.Constexpr = False):
     """g, the natural-log decay of one key, from the gate input `x` (fp32), its dt_bias `dt` and exp(A_log)
     `a_scale`: x itself (precomputed), -a softplus(x + dt) (softplus), or lb sigmoid(a (x + dt))
-    (lower_bound)."""
+    (lower_bound). `approx`: the exponentials and the reciprocal by their hardware approximations."""
     g = x
     if cutlass.const_expr(gate == "softplus"):
-        y = x + dt
-        # softplus(y) = max(y, 0) + log(1 + e^-|y|): exact in both tails, no overflow
-        sp = cutlass.max(y, 0.0) + cute.math.log(1.0 + cute.math.exp(-cute.math.absf(y)))
-        g = -a_scale * sp
+        g = -a_scale * softplus(x + dt, approx)
     elif cutlass.const_expr(gate == "lower_bound"):
-        g = lower_bound / (1.0 + cute.math.exp(-a_scale * (x + dt)))
+        if cutlass.const_expr(approx):
+            g = lower_bound * sigmoid(a_scale * (x + dt), True)
+        else:
+            g = lower_bound / (1.0 + cute.math.exp(-a_scale * (x + dt)))
     return g
 
 
