@@ -25,7 +25,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kdagen.kernels.common import token_column, token_rows
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
@@ -134,13 +133,13 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
 
 
 @cute.jit
-def _prefetch_row(cfg: cutlass.Constexpr, dqd, dkd, gv, tr, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
+def _prefetch_row(cfg: cutlass.Constexpr, mDqd, mDkd, mG, hv, tr, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
                   pre_g):
-    # Row tr's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
-    pre_qd[slot] = dqd[tr, c]
-    pre_kd[slot] = dkd[tr, c]
+    # Token tr's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
+    pre_qd[slot] = mDqd[tr, hv, c]
+    pre_kd[slot] = mDkd[tr, hv, c]
     if cutlass.const_expr(cfg.gate != "precomputed"):
-        pre_g[slot] = gv[tr, c].to(F32)
+        pre_g[slot] = mG[tr, hv, c].to(F32)
 
 
 @cute.jit
@@ -180,17 +179,14 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     c = tidx
 
     # ---- q and k of the head, normalised once for its value heads (rows past the tile's end are zero) ----
-    # Loads past the tile's rows read its last row and are replaced by zero: no branch around a load, so the
-    # compiler issues a loop's loads together instead of waiting on each. Rows are addressed from the tile's
-    # base (`token_rows`).
-    last = rows - 1
-    q_rows = token_rows(mQ, t0, h, cfg.bt)
-    k_rows = token_rows(mK, t0, h, cfg.bt)
+    # Loads past the tile's rows read the last token (in bounds) and are replaced by zero: no branch around a
+    # load, so the compiler issues a loop's loads together instead of waiting on each.
+    last = mQ.shape[0] - 1
     sums = cute.make_rmem_tensor(cute.make_layout((2 * cfg.bt,)), F32)
     for r in cutlass.range_constexpr(cfg.bt):
-        tr = cutlass.min(r, last)
-        x_q = cutlass.select_(r < rows, q_rows[tr, c].to(F32), F32(0.0))
-        x_k = cutlass.select_(r < rows, k_rows[tr, c].to(F32), F32(0.0))
+        tr = cutlass.min(t0 + r, last)
+        x_q = cutlass.select_(r < rows, mQ[tr, h, c].to(F32), F32(0.0))
+        x_k = cutlass.select_(r < rows, mK[tr, h, c].to(F32), F32(0.0))
         sQ[r, c] = x_q
         sK[r, c] = x_k
         sums[r] = x_q * x_q
@@ -239,22 +235,17 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
         for r in cutlass.range_constexpr(cfg.bt):
             acc_q[r] = sNorm[0, r] * (acc_q[r] - sQ[r, c] * inv_scale * sums[r])
             acc_k[r] = sNorm[1, r] * (acc_k[r] - sK[r, c] * sums[cfg.bt + r])
-    dq_rows = token_rows(mDq, t0, h, cfg.bt)
-    dk_rows = token_rows(mDk, t0, h, cfg.bt)
     for r in cutlass.range_constexpr(cfg.bt):
         if r < rows:
-            dq_rows[r, c] = acc_q[r].to(cfg.dtype)
-            dk_rows[r, c] = acc_k[r].to(cfg.dtype)
+            mDq[t0 + r, h, c] = acc_q[r].to(cfg.dtype)
+            mDk[t0 + r, h, c] = acc_k[r].to(cfg.dtype)
 
 
 @cute.jit
 def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg,
                 mDbeta, mDaLog, mDdt, mma, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
     # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
-    # gate's parameters' partial sums) written. `last` is the tile's last row.
-    g_rows = token_rows(mG, t0, hv, cfg.bt)
-    beta_rows = token_column(mBeta, t0, cfg.bt)
-    dbeta_rows = token_column(mDbeta, t0, cfg.bt)
+    # gate's parameters' partial sums) written.
     sQ, sK, sKgDa, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
     c = tidx
     a_scale = F32(1.0)
@@ -264,25 +255,23 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         dt = mDt[hv, c]
     # ---- the value head's decays (cumsum of the log decay in the tile), dAkt, dAq and beta ----
     rG = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
-    dakt_rows = token_rows(mDakt, t0, hv, cfg.bt)
     acc = F32(0.0)
     for r in cutlass.range_constexpr(cfg.bt):
-        tr = cutlass.min(r, last)
-        g_r = log_decay(g_rows[tr, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
+        tr = cutlass.min(t0 + r, last)
+        g_r = log_decay(mG[tr, hv, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
         x_g = cutlass.select_(r < rows, g_r, F32(0.0))
-        x_a = cutlass.select_(r < rows, dakt_rows[tr, c], F32(0.0))
+        x_a = cutlass.select_(r < rows, mDakt[tr, hv, c], F32(0.0))
         acc = acc + x_g
         rG[r] = acc
         sDakt[r, c] = x_a
     g_last = acc
     for r in cutlass.range_constexpr(cfg.bt):
         sKg[r, c] = sK[r, c] * decay(g_last - rG[r])
-    daq_rows = token_rows(mDaq, t0, hv, cfg.bt)
     for j in cutlass.range_constexpr(cfg.pairs):
         e = tidx + cfg.k * j
         r = e // cfg.bt
         s = e % cfg.bt
-        sDaq[r, s] = cutlass.select_(r < rows, daq_rows[cutlass.min(r, last), s], F32(0.0))
+        sDaq[r, s] = cutlass.select_(r < rows, mDaq[cutlass.min(t0 + r, last), hv, s], F32(0.0))
         # Aqk and Akk, the lower triangles (Akk's without its unused diagonal) of prepare's products; zero
         # above (the entries nothing reads are read and dropped).
         sAqk[r, s] = cutlass.select_(s <= r, mMats[tile, hv, 0, r, s], F32(0.0))
@@ -290,7 +279,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     if tidx < cfg.bt:
         b = F32(0.0)
         if tidx < rows:
-            b = beta_value(beta_rows[tidx, hv].to(F32), cfg.beta)
+            b = beta_value(mBeta[t0 + tidx, hv].to(F32), cfg.beta)
         sB[tidx] = b
     cute.arch.sync_threads()
 
@@ -363,22 +352,20 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             db = db + sDL[c, i] * sAkk[c, i]
         if tidx < rows:
             if cutlass.const_expr(cfg.beta != "prob"):
-                sg = sigmoid(beta_rows[tidx, hv].to(F32), True)
+                sg = sigmoid(mBeta[t0 + tidx, hv].to(F32), True)
                 db = db * sg * (1.0 - sg)
                 if cutlass.const_expr(cfg.beta == "logit_x2"):
                     db = db * 2.0
-            dbeta_rows[tidx, hv] = db.to(cfg.beta_dtype)
+            mDbeta[t0 + tidx, hv] = db.to(cfg.beta_dtype)
 
     # ---- column c: the intra-tile products back to q, k and the decays, and dg ----
     # The rows loop's global reads (dQd, dKd and g of a row) are issued PREFETCH_ROWS rows ahead of their use.
     pre_qd = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
     pre_kd = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
     pre_g = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
-    dqd_rows = token_rows(mDqd, t0, hv, cfg.bt)
-    dkd_rows = token_rows(mDkd, t0, hv, cfg.bt)
     for j in cutlass.range_constexpr(PREFETCH_ROWS):
-        _prefetch_row(cfg, dqd_rows, dkd_rows, g_rows, cutlass.min(cfg.bt - 1 - j, last), c, j, pre_qd,
-                      pre_kd, pre_g)
+        _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + cfg.bt - 1 - j, last), c, j, pre_qd, pre_kd,
+                      pre_g)
     # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last. P is
     # lower triangular (T's entries above the diagonal are exact zeros of the solve), so row r sums r + 1.
     rdkg = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
@@ -400,7 +387,6 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     # row m: |G - G_m| <= 8 x 5, so e and 1/e stay within 2^+-58 and the sums keep 2^69 of headroom for the
     # gradients' scale; k_s / e_s is formed once a column (kt) and no pair takes an exp. Otherwise
     # (hard resets possible) every pair takes its own exp(G_r - G_s) <= 1.
-    dg_rows = token_rows(mDg, t0, hv, cfg.bt)
     rdc = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)  # dk_col (over e_s with the safe gate)
     rdc.fill(0.0)
     kt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
@@ -418,8 +404,8 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         x_kd = cutlass.select_(r < rows, pre_kd[slot], F32(0.0))
         x_g = pre_g[slot]
         if cutlass.const_expr(i + PREFETCH_ROWS < cfg.bt):
-            _prefetch_row(cfg, dqd_rows, dkd_rows, g_rows, cutlass.min(r - PREFETCH_ROWS, last), c, slot,
-                          pre_qd, pre_kd, pre_g)
+            _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + r - PREFETCH_ROWS, last), c, slot, pre_qd,
+                          pre_kd, pre_g)
         q_r = sQ[r, c]
         k_r = sK[r, c]
         dq_r = F32(0.0)
@@ -459,7 +445,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         # dg_r = the sum of dG over rows r and after, through the gate
         if cutlass.const_expr(cfg.gate == "precomputed"):
             if r < rows:
-                dg_rows[r, c] = acc.to(cfg.g_dtype)
+                mDg[t0 + r, hv, c] = acc.to(cfg.g_dtype)
         elif cutlass.const_expr(cfg.gate == "lower_bound"):
             # g = lb sigmoid(z), z = a (x + dt); rows past the tile's end add nothing
             z = a_scale * (x_g + dt)
@@ -468,7 +454,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             d_dt = d_dt + dz * a_scale
             d_alog = d_alog + dz * z
             if r < rows:
-                dg_rows[r, c] = (dz * a_scale).to(cfg.g_dtype)
+                mDg[t0 + r, hv, c] = (dz * a_scale).to(cfg.g_dtype)
         else:
             # g = -a softplus(y), y = x + dt; rows past the tile's end add nothing
             y = x_g + dt
@@ -477,7 +463,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             d_dt = d_dt + dx
             d_alog = d_alog + d_y * softplus(y, True)
             if r < rows:
-                dg_rows[r, c] = dx.to(cfg.g_dtype)
+                mDg[t0 + r, hv, c] = dx.to(cfg.g_dtype)
     if cutlass.const_expr(cfg.gate != "precomputed"):
         mDaLog[tile, hv, c] = d_alog
         mDdt[tile, hv, c] = d_dt

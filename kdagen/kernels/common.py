@@ -37,8 +37,6 @@ __all__ = [
     "store_segment_map",
     "seq_of_slice",
     "tile_rows",
-    "token_rows",
-    "token_column",
     "fused_mode",
     "mma_input",
     "load_step",
@@ -496,25 +494,6 @@ def tile_rows(mCu: cute.Tensor, bt: cutlass.Constexpr, tile: cutlass.Int32):
     t0 = bos + (tile - (bos // bt + seq)) * bt
     rows = cutlass.min(mCu[seq + 1] - t0, bt)
     return t0, rows, bos
-
-
-@cute.jit
-def token_rows(mX: cute.Tensor, t0, h, bt: cutlass.Constexpr) -> cute.Tensor:
-    """Tokens t0 .. t0 + bt - 1 of head h of a [T, H, D] tensor as a [bt, D] view. The tile's base address is
-    formed once in 64 bits and a row is a 32-bit offset from it (a tile spans bt token strides), so a row's
-    address takes one multiply-add where [t, h, d] indexing with 64-bit strides takes a 64-bit product, a
-    sign extension and a carry a row."""
-    base = mX.iterator + cute.crd2idx((t0, h, 0), mX.layout)
-    row = mX.layout.stride[0].to(cutlass.Int32)
-    return cute.make_tensor(base, cute.make_layout((bt, mX.shape[2]), stride=(row, mX.layout.stride[2])))
-
-
-@cute.jit
-def token_column(mX: cute.Tensor, t0, bt: cutlass.Constexpr) -> cute.Tensor:
-    """Tokens t0 .. t0 + bt - 1 of a [T, H] tensor as a [bt, H] view (`token_rows`' base and 32-bit rows)."""
-    base = mX.iterator + cute.crd2idx((t0, 0), mX.layout)
-    row = mX.layout.stride[0].to(cutlass.Int32)
-    return cute.make_tensor(base, cute.make_layout((bt, mX.shape[1]), stride=(row, mX.layout.stride[1])))
 
 
 @cute.jit
