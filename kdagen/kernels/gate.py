@@ -26,12 +26,13 @@ def sigmoid(x, approx: cutlass.Constexpr = False):
 @cute.jit
 def softplus(y, approx: cutlass.Constexpr = False):
     """max(y, 0) + log(1 + e^-|y|): exact in both tails, no overflow. `approx`: e^-|y| by ex2.approx."""
+    m = cutlass.max(y, 0.0)
     e = F32_ZERO
     if cutlass.const_expr(approx):
         e = cute.math.exp2(-cute.math.absf(y) * LOG2E, approx=True, ftz=True)
     else:
         e = cute.math.exp(-cute.math.absf(y))
-    return cutlass.max(y, 0.0) + cute.math.log(1.0 + e)
+    return m + cute.math.log(1.0 + e)
 
 
 @cute.jit
