@@ -8,14 +8,12 @@ import cutlass.cute as cute
 __all__ = ["LOG2E", "log_decay", "decay", "beta_value", "sigmoid", "softplus"]
 
 LOG2E = 1.4426950408889634
-F32_ZERO = cutlass.Float32(0.0)
 
 
 @cute.jit
 def sigmoid(x, approx: cutlass.Constexpr = False):
     """1 / (1 + e^-x). `approx`: through ex2.approx and rcp.approx (a few ulp; no IEEE division, which
     takes a dozen instructions and a branch), as the prepare stage's gate."""
-    s = x
     if cutlass.const_expr(approx):
         s = cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2E, approx=True, ftz=True))
     else:
@@ -27,7 +25,6 @@ def sigmoid(x, approx: cutlass.Constexpr = False):
 def softplus(y, approx: cutlass.Constexpr = False):
     """max(y, 0) + log(1 + e^-|y|): exact in both tails, no overflow. `approx`: e^-|y| by ex2.approx."""
     m = cutlass.max(y, 0.0)
-    e = F32_ZERO
     if cutlass.const_expr(approx):
         e = cute.math.exp2(-cute.math.absf(y) * LOG2E, approx=True, ftz=True)
     else:
