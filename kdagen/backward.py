@@ -1,16 +1,17 @@
 """The KDA backward of a loaded kernel (kda-math.md §8), run on the current CUDA stream.
 
 Four parts, in order:
-1. The state entering every 16-token tile (`tile_states`): the kernel's own forward with a checkpoint every
-   tile, written in the MMA type into the slot of its tile id (`floor(bos / 16) + seq + step`, the map
-   prepare and the recurrence share). Recomputed in the backward, or saved by the forward
-   (`recompute=False`).
+1. The state entering every run of `bwd_tile`'s tiles (`tile_states`; 64 tokens, `plan.BWD_STATE_TILES`
+   tiles): the kernel's own forward with a checkpoint every run, written in the MMA type into the slot of
+   its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's length). Recomputed in the
+   backward, or saved by the forward (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
    states, from prepare's tiles and dO alone; split into segments by intra-card CP (`bwd_cp_*` stages)
    where the forward's schedule would split the call.
-3. Every tile's products with its two states (`bwd_tile` stage, one CTA a tile and head): dV, and the
-   gradients of the folded step's operands (dQd, dKd, dAkt, dAq, dgt).
+3. Every tile's products with its two states (`bwd_tile` stage, one CTA a run of tiles and head, carrying
+   the state entering the run through its tiles): dV, and the gradients of the folded step's operands (dQd,
+   dKd, dAkt, dAq, dgt).
 4. The rest of every tile's gradients (`bwd_grads` stage, one CTA a tile and q/k head, fp32 from prepare's
    Mqk and Akk;
    `kdagen.tile_grads.input_grads` is its torch reference): back through P, Aqk and the decays to the
@@ -70,18 +71,20 @@ def tile_states(
     policy: object = None,
     zero_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward, keeping the state entering every tile: ``(o, final states [N, ...], states)``, states
-    ``[tile slots, HV, ...]`` in the spec's state layout and its dtype (the MMA type, in which `bwd_tile`
-    reads them: half the bytes of fp32 written here and read there, the same products).
+    """The forward, keeping the state entering every run of `bwd_tile`'s tiles: ``(o, final states [N, ...],
+    states)``, states ``[run slots, HV, ...]`` in the spec's state layout and its dtype (the MMA type, in
+    which `bwd_tile` reads them: half the bytes of fp32 written here and read there, the same products).
 
     The forward runs on a pool of N slots (sequence n's initial state, then its final one) with a
-    checkpoint every 16 tokens into the tile states: the state after each full tile lands in the slot of
-    the next tile's id; the first tile's (the initial state) is copied in after."""
+    checkpoint every run (64 tokens) into the states: the state after each full run lands in the slot of
+    the next run's id; the first run's (the initial state) is copied in after."""
     bsz, seqlen, hv = v.shape[:3]
     total = bsz * seqlen
     cu = _offsets(cu_seqlens, bsz, seqlen, q.device)
     nseq = cu.numel() - 1
-    slots = workspace.tile_slots(total, nseq)
+    span = kernel.bwd_state_tiles
+    run = CHUNK * span  # tokens a run
+    slots = workspace.tile_slots(total, nseq, span)
     spec = kernel.spec
     dt = _TORCH_DTYPE[spec.dtype]
     shape = state_shape(spec, slots, hv)
@@ -90,17 +93,17 @@ def tile_states(
     sdt = _TORCH_DTYPE[spec.state_dtype]
     pool = (initial_state.to(sdt, copy=True).contiguous() if initial_state is not None
             else torch.zeros(state_shape(spec, nseq, hv), dtype=sdt, device=q.device))
-    first = (cu[:-1] // CHUNK + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
+    first = (cu[:-1] // run + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
     lengths = (cu[1:] - cu[:-1]).long()
-    # Checkpoint m (after 16 (m + 1) tokens) goes to tile m + 1's slot; the one at the sequence's end (its
-    # final state, no tile's start) is skipped.
-    most = max(1, total // CHUNK)
+    # Checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
+    # final state, no run's start) is skipped.
+    most = max(1, total // run)
     m = torch.arange(most, device=q.device)
-    ck = torch.where(CHUNK * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
+    ck = torch.where(run * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
     idx = torch.arange(nseq, dtype=torch.int32, device=q.device)
     o, _ = kernel._prefill(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=None,
                            output_final_state=False, cu_seqlens=cu_seqlens, policy=policy, state_pool=pool,
-                           state_indices=idx, has_initial_state=None, checkpoint_interval=CHUNK,
+                           state_indices=idx, has_initial_state=None, checkpoint_interval=run,
                            start_positions=None, checkpoint_indices=ck.to(torch.int32), out=None,
                            tile_states=states)
     if initial_state is not None:
@@ -184,7 +187,7 @@ def run_backward(
                                                         mats=mats)
         kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
                                  policy)
-        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, cu_c, states, dh,
+        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, gt, cu_c, states, dh,
                          dv, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()
         kernel._bwd_grads(q_c.view(total, nh, kdim), k_c.view(total, nh, kdim), g_c.view(total, hv, kdim),

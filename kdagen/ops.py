@@ -269,10 +269,11 @@ def _forward_train_fake(
     if recompute:
         return o, ht, _absent(q, torch.float32)
     spec = _spec(spec_json)
+    from kdagen.plan import bwd_state_tiles
     from kdagen.workspace import tile_slots
 
     nseq = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    slots = tile_slots(v.shape[0] * v.shape[1], nseq)
+    slots = tile_slots(v.shape[0] * v.shape[1], nseq, bwd_state_tiles(spec))
     mma_dtype = getattr(torch, DTYPES[spec.dtype].torch)  # tile states in the MMA type (`tile_states`)
     return o, ht, q.new_empty(state_shape(spec, slots, v.shape[2]), dtype=mma_dtype)
 

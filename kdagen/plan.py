@@ -13,7 +13,7 @@ from kdagen.dtypes import DTYPES, nbytes
 from kdagen.kernels.decode_rows import row_words
 from kdagen.spec import KernelSpec
 
-__all__ = ["CHUNK", "StagePlan", "Plan", "make_plan"]
+__all__ = ["CHUNK", "StagePlan", "Plan", "bwd_state_tiles", "make_plan"]
 
 # Value heads per prepare CTA, one warp each (the runtime sizes the persistent grid by it): four, or fewer
 # without the safe gate where fewer put more warps on an SM (`_prepare_layout`).
@@ -157,6 +157,17 @@ def _decode_stream_extra(spec: KernelSpec) -> int:
     row_bytes = row_words(spec.head_dim_k, spec.head_dim_v) * 4
     rows = DECODE_STAGERS * DECODE_TOKEN_STAGES
     return rows * row_bytes + DECODE_STREAM_MAX_STAGES * (16 + 16) + rows * 16 + 1024
+
+
+# Tiles between the states the forward keeps for the backward (64 tokens, as FLA's chunk): the forward
+# writes a quarter of the states a tile would need, and `bwd_tile` carries each through its run's tiles,
+# S' = diag(gt) S + Akt^T R, one more 16-row product a tile.
+BWD_STATE_TILES = 4
+
+
+def bwd_state_tiles(spec: KernelSpec) -> int:
+    """Tiles between the states the forward keeps for the spec's backward (`bwd_tile`'s runs)."""
+    return BWD_STATE_TILES
 
 
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
@@ -507,11 +518,13 @@ def make_plan(spec: KernelSpec) -> Plan:
         "bwd_cp_segments", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "segment"},
         note="backward, intra-card CP: each segment's reverse scan from its merged gradient",
     )
-    # The backward's products with the states, one CTA a tile and head (templates/mma_sync/bwd_tile.py.j2).
+    # The backward's products with the states, one CTA a run of BWD_STATE_TILES tiles and head
+    # (templates/mma_sync/bwd_tile.py.j2): the forward keeps the state entering every run, not every tile.
     bwd_tile = StagePlan(
         "bwd_tile", f"{shared}/bwd_tile.py.j2",
-        {**common, "state_layout": spec.state_layout},
-        note="backward: a tile's products with the states entering and leaving it, one CTA a tile and head",
+        {**common, "state_layout": spec.state_layout, "state_tiles": bwd_state_tiles(spec)},
+        note=f"backward: {bwd_state_tiles(spec)} tiles' products with their states, carried from the one "
+             "entering the first, one CTA a run and head",
     )
     # The backward's per-tile algebra after bwd_tile, down to the inputs' transforms
     # (templates/common/bwd_grads.py.j2): 16 x 16 and 16 x K products in fp32 on CUDA cores, every family.

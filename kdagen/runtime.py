@@ -597,6 +597,8 @@ class KDAKernel:
         # Prepare CTAs per SM: alone (intra-card CP path) and beside the recurrence (plain path).
         self._prepare_ctas = (params["prepare"]["ctas_per_sm"], params["prepare"]["overlap_ctas_per_sm"])
         self._prepare_heads_per_cta = params["prepare"]["heads_per_cta"]
+        # Tiles between the states the forward keeps for the backward (`kdagen.backward.tile_states`).
+        self.bwd_state_tiles: int = params["bwd_tile"]["state_tiles"]
         # What the scheduling decisions need of the plan, and the policy they follow (kdagen.policy).
         self._facts = PlanFacts.from_plan(spec, plan)
         self._policy: SchedulePolicy = SchedulePolicy.coerce(policy) or default_policy()

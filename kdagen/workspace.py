@@ -43,10 +43,11 @@ class Workspace(NamedTuple):
     tile_slots: int
 
 
-def tile_slots(total: int, num_seqs: int) -> int:
+def tile_slots(total: int, num_seqs: int, tiles: int = 1) -> int:
     """Tile ids a call of `total` tokens in `num_seqs` sequences may use: the bound of the injective map
-    floor(bos/16) + seq + step. Plain arithmetic (symbolic sizes trace through it)."""
-    return total // CHUNK + num_seqs + 1
+    floor(bos/16) + seq + step; with `tiles`, the ids of runs of that many tiles (floor(bos/(16 tiles)) +
+    seq + step). Plain arithmetic (symbolic sizes trace through it)."""
+    return total // (CHUNK * tiles) + num_seqs + 1
 
 
 @functools.lru_cache(maxsize=256)  # a call site sees few distinct sizes; the lookup is cheaper than the sums

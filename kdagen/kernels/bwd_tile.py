@@ -5,10 +5,13 @@ step: R = V - Kd S, O = Qd S + Aq R, S' = diag(gt) S + Akt^T R).
 Given the state S entering a tile and the gradient dS of the state leaving it, a tile's gradients of the
 step's operands are dR = Aq^T dO + Akt dS (= dV), dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T, dAq = dO R^T
 and dgt = the row sums of S * dS; everything after them is the `bwd_grads` stage's
-(`kdagen.kernels.bwd_grads`). One CTA per (tile, value head), of up to eight warps (`ProductsConfig.warps`):
-S and dS arrive in the MMA type (the forward's checkpoints and the scan write them so) and are staged in
-shared memory (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the five
-products run on warp MMAs, the warps splitting the output columns.
+(`kdagen.kernels.bwd_grads`). One CTA per (run of `ProductsConfig.span` tiles, value head), of up to eight
+warps (`ProductsConfig.warps`): the forward keeps only the state entering each run, and the CTA carries it
+through the run's tiles in fp32 accumulators as the forward does (S' above, one more 16-row product a tile),
+so that the states' bytes, written by the forward and read here, are a span's fraction of a state a tile.
+S (in the MMA type, as the forward wrote it) and each tile's dS (the scan's) are staged in shared memory
+(dgt sums their products in fp32, as FLA takes it from its bf16 states), and the products run on warp MMAs,
+the warps splitting the output columns. The next tile's operands load while the carry runs.
 """
 
 from dataclasses import dataclass
@@ -22,7 +25,8 @@ from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
 __all__ = [
-    "MAX_WARPS", "ProductsConfig", "gemm", "products_mmas", "stage_rows", "stage_state", "tile_products",
+    "MAX_WARPS", "ProductsConfig", "gemm", "gemm_into", "products_mmas", "run_products", "stage_carry",
+    "stage_rows", "stage_state", "stage_tile",
 ]
 
 MAX_WARPS = 8  # 16 output columns a warp: two CTAs an SM (shared memory) keep 16 warps busy
@@ -37,6 +41,7 @@ class ProductsConfig:
     bt: int  # tokens per tile
     dtype: Any  # the MMA type (cutlass.BFloat16 or Float16): the tiles, dh, and S as staged
     kv_layout: bool  # h is [slots, HV, K, V] if True, else [slots, HV, V, K]
+    span: int  # tiles a CTA runs through: the states arrive one a run of this many tiles
 
     @property
     def warps(self) -> int:
@@ -46,6 +51,12 @@ class ProductsConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def min_ctas(self) -> int:
+        # CTAs an SM the registers are capped for: 16 warps, 128 registers a thread. Uncapped, the carried
+        # state's accumulators take the compiler to ~230 and one CTA an SM, idle while it waits on its loads.
+        return 2 * MAX_WARPS // self.warps
 
     @property
     def dgt_parts(self) -> int:
@@ -63,9 +74,10 @@ def products_mmas(dtype, warps: int):
 
 
 @cute.jit
-def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
-                  mDgt, mma_wide, mma1, tile, hv, t0, rows, tidx, warp_idx, lane):
-    """Tile `tile` (its rows t0 .. t0 + rows) and value head hv, by the CTA's `cfg.threads` threads:
+def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
+                 mDgt, mma_wide, mma1, slot, tile0, hv, t0, rows, tidx, warp_idx, lane):
+    """The run of `cfg.span` tiles from tile id `tile0` (rows t0 .. t0 + rows, at most span * bt) and value
+    head hv, by the CTA's `cfg.threads` threads, from the state entering the run (slot `slot` of mH):
     `mma_wide` is `products_mmas`' many-warp MMA, `mma1` its one-warp MMA."""
     smem = cutlass.memory.SmemAllocator()
     sS = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.k, cfg.v), 1024)  # S (key rows)
@@ -73,50 +85,26 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sKd = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k), 1024)
     sAkt = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k), 1024)
     sDo = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
+    sV = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sAq = smem.allocate_tensor(cfg.dtype, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)), 128)
+    sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, cfg.k), stride=(cfg.k, 1)), 16)
     parts = cfg.dgt_parts
     sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
 
-    # ---- stage the tile's rows (zero past its end) and the two states, then dgt ----
+    # ---- the first tile's rows, its dS and gt, and the state entering the run ----
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
     # K-first S by cp.async, a V-first S by 16-byte loads into registers (it is transposed on the way in).
-    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
-    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
-    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
-    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype, cfg.threads)
-    copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
-    thr_d = copy_d.get_slice(tidx)
-    cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
+    stage_tile(cfg, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile0, t0, hv, rows, tidx)
+    stage_carry(cfg, mAkt, mGt, sAkt, sG, tile0, t0, hv, rows, tidx)
     if cutlass.const_expr(cfg.kv_layout):
         copy_s = row_copy(cfg.dtype, cfg.v, cfg.threads)
         thr_s = copy_s.get_slice(tidx)
-        cute.copy(copy_s, thr_s.partition_S(mH[tile, hv, None, None]), thr_s.partition_D(sS))
+        cute.copy(copy_s, thr_s.partition_S(mH[slot, hv, None, None]), thr_s.partition_D(sS))
     cute.arch.cp_async_commit_group()
     if cutlass.const_expr(not cfg.kv_layout):
-        stage_state(mH, sS, tile, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
-    cute.arch.cp_async_wait_group(0)
-    cute.arch.sync_threads()
-    # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads share a
-    # key row, each summing a slice of the values, and the slices are added in order.
-    span = cfg.v // parts
-    for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
-        v0 = (tidx // cfg.k) * span
-        acc = cutlass.Float32(0.0)
-        for vr in cutlass.range(span, unroll=8):
-            acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
-        if cutlass.const_expr(parts == 1):
-            mDgt[tile, hv, kc] = acc
-        else:
-            sPart[tidx // cfg.k, kc] = acc
-    cute.arch.sync_threads()
-    if cutlass.const_expr(parts > 1):
-        if tidx < cfg.k:
-            acc = sPart[0, tidx]
-            for j in cutlass.range_constexpr(1, parts):
-                acc = acc + sPart[j, tidx]
-            mDgt[tile, hv, tidx] = acc
+        stage_state(mH, sS, slot, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
 
     thr = mma_wide.get_slice(tidx)
     ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
@@ -130,57 +118,143 @@ def tile_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mH, mDh, mDv,
     sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
     # (N=key, K=v): dS^T^T, MN-major
     sDT = cute.composition(sD, cute.make_layout((cfg.k, cfg.v), stride=(cfg.v, 1)))
-
-    # ---- R = V - Kd S (16 x V) ----
-    acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
+    # (M=key, K=s): Akt^T, MN-major; (N=v, K=s): R^T, MN-major (the carry's operands)
+    sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
+    sRT = cute.composition(sR, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
     coord_v = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.v)))
-    for i in cutlass.range_constexpr(cute.size(acc_r)):
-        r = coord_v[i][0]
-        c = coord_v[i][1]
-        x = cutlass.Float32(0.0)
-        if r < rows:
-            x = mV[t0 + r, hv, c].to(cutlass.Float32) - acc_r[i]
-        sR[r, c] = x.to(cfg.dtype)
-    # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
-    acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
-    acc_d2 = gemm(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, cfg.bt, cfg.v, cfg.k)
-    for i in cutlass.range_constexpr(cute.size(acc_d)):
-        r = coord_v[i][0]
-        c = coord_v[i][1]
-        x = acc_d[i] + acc_d2[i]
-        if r < rows:
-            mDv[t0 + r, hv, c] = x.to(cfg.dtype)
-        sDr[r, c] = (-x).to(cfg.dtype)
-    cute.arch.sync_threads()
-
-    # ---- dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T (16 x K) ----
     coord_k = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.k)))
-    acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-    acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-    acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
-    for i in cutlass.range_constexpr(cute.size(acc_q)):
-        r = coord_k[i][0]
-        c = coord_k[i][1]
-        if r < rows:
-            mDqd[t0 + r, hv, c] = acc_q[i]
-            mDkd[t0 + r, hv, c] = acc_k[i]
-            mDakt[t0 + r, hv, c] = acc_a[i]
-    # ---- dAq = dO R^T (16 x 16), one warp ----
-    if warp_idx == 0:
-        thr1 = mma1.get_slice(lane)
-        acc_aq = gemm(mma1, thr1, lane, sDo, sR, ldsm, ldsm, cfg.bt, cfg.bt, cfg.v)
-        coord_q = thr1.partition_C(cute.make_identity_tensor((cfg.bt, cfg.bt)))
-        for i in cutlass.range_constexpr(cute.size(acc_aq)):
-            r = coord_q[i][0]
-            if r < rows:
-                mDaq[t0 + r, hv, coord_q[i][1]] = acc_aq[i]
+
+    # S in fp32 accumulators (key rows), carried from tile to tile as the forward carries it; sS holds its
+    # copy in the MMA type, the operand of every product (the forward's operand too).
+    acc_s = cute.make_rmem_tensor(thr.partition_shape_C((cfg.k, cfg.v)), cutlass.Float32)
+    coord_s = thr.partition_C(cute.make_identity_tensor((cfg.k, cfg.v)))
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[i] = sS[coord_s[i][0], coord_s[i][1]].to(cutlass.Float32)
+
+    n_tiles = (rows + cfg.bt - 1) // cfg.bt
+    for j in range(n_tiles):
+        tile = tile0 + j
+        tj = t0 + j * cfg.bt
+        rj = cutlass.min(rows - j * cfg.bt, cfg.bt)
+        # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads
+        # share a key row, each summing a slice of the values, and the slices are added in order.
+        width = cfg.v // parts
+        for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
+            v0 = (tidx // cfg.k) * width
+            acc = cutlass.Float32(0.0)
+            for vr in cutlass.range(width, unroll=8):
+                acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
+            if cutlass.const_expr(parts == 1):
+                mDgt[tile, hv, kc] = acc
+            else:
+                sPart[tidx // cfg.k, kc] = acc
+
+        # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
+        acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
+        for i in cutlass.range_constexpr(cute.size(acc_r)):
+            r = coord_v[i][0]
+            c = coord_v[i][1]
+            sR[r, c] = (sV[r, c].to(cutlass.Float32) - acc_r[i]).to(cfg.dtype)
+        # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
+        acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
+        gemm_into(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, acc_d, cfg.k)
+        for i in cutlass.range_constexpr(cute.size(acc_d)):
+            r = coord_v[i][0]
+            c = coord_v[i][1]
+            if r < rj:
+                mDv[tj + r, hv, c] = acc_d[i].to(cfg.dtype)
+            sDr[r, c] = (-acc_d[i]).to(cfg.dtype)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(parts > 1):
+            if tidx < cfg.k:
+                acc = sPart[0, tidx]
+                for p in cutlass.range_constexpr(1, parts):
+                    acc = acc + sPart[p, tidx]
+                mDgt[tile, hv, tidx] = acc
+
+        # ---- dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T (16 x K) ----
+        acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
+        acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
+        acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
+        for i in cutlass.range_constexpr(cute.size(acc_q)):
+            r = coord_k[i][0]
+            c = coord_k[i][1]
+            if r < rj:
+                mDqd[tj + r, hv, c] = acc_q[i]
+                mDkd[tj + r, hv, c] = acc_k[i]
+                mDakt[tj + r, hv, c] = acc_a[i]
+        # ---- dAq = dO R^T (16 x 16), one warp ----
+        if warp_idx == 0:
+            thr1 = mma1.get_slice(lane)
+            acc_aq = gemm(mma1, thr1, lane, sDo, sR, ldsm, ldsm, cfg.bt, cfg.bt, cfg.v)
+            coord_q = thr1.partition_C(cute.make_identity_tensor((cfg.bt, cfg.bt)))
+            for i in cutlass.range_constexpr(cute.size(acc_aq)):
+                r = coord_q[i][0]
+                if r < rj:
+                    mDaq[tj + r, hv, coord_q[i][1]] = acc_aq[i]
+
+        # ---- the state into the next tile: S' = diag(gt) S + Akt^T R ----
+        if j + 1 < n_tiles:
+            # The next tile's rows and dS go where this tile's products are done with theirs; its Akt and gt
+            # once the carry has read this tile's, and S' into sS once every product has read S.
+            cute.arch.sync_threads()
+            stage_tile(cfg, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile + 1, tj + cfg.bt, hv,
+                       rows - (j + 1) * cfg.bt, tidx)
+            cute.arch.cp_async_commit_group()
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * sG[0, coord_s[i][0]]
+            gemm_into(mma_wide, thr, tidx, sAktT, sRT, ldsm_t, ldsm_t, acc_s, cfg.bt)
+            cute.arch.sync_threads()
+            stage_carry(cfg, mAkt, mGt, sAkt, sG, tile + 1, tj + cfg.bt, hv, rows - (j + 1) * cfg.bt, tidx)
+            cute.arch.cp_async_commit_group()
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                sS[coord_s[i][0], coord_s[i][1]] = acc_s[i].to(cfg.dtype)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+
+@cute.jit
+def stage_tile(cfg: cutlass.Constexpr, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile, t0, hv, rows,
+               tidx):
+    # A tile's rows of Kd, Aq, V and dO (zero past its end) and the gradient leaving it, dS^T, by cp.async:
+    # what its products read and the carry does not.
+    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
+    stage_rows(mV, sV, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
+    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype, cfg.threads)
+    copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
+    thr_d = copy_d.get_slice(tidx)
+    cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
+
+
+@cute.jit
+def stage_carry(cfg: cutlass.Constexpr, mAkt, mGt, sAkt, sG, tile, t0, hv, rows, tidx):
+    # A tile's rows of Akt (zero past its end) and its decay gt by cp.async: what the carry reads.
+    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    if tidx < cfg.k // 4:
+        copy_g = row_copy(cutlass.Float32, cfg.k, cfg.k // 4)
+        thr_g = copy_g.get_slice(tidx)
+        g = cute.local_tile(mGt[None, hv, None], (1, cfg.k), (tile, 0))
+        cute.copy(copy_g, thr_g.partition_S(g), thr_g.partition_D(sG))
 
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, thr, tidx, sA: cute.Tensor, sB: cute.Tensor, atom_a, atom_b,
           m: cutlass.Constexpr, n: cutlass.Constexpr, k: cutlass.Constexpr) -> cute.Tensor:
-    # C (m x n, fp32) = A (m x k) B^T (B as (n, k)), both from shared memory through ldmatrix (`atom_a`,
-    # `atom_b`: plain for K-major operands, .trans for MN-major ones), k/16 blocks.
+    # C (m x n, fp32) = A (m x k) B^T (B as (n, k)), both from shared memory (`gemm_into` from zero).
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((m, n)), cutlass.Float32)
+    acc.fill(0.0)
+    gemm_into(tiled_mma, thr, tidx, sA, sB, atom_a, atom_b, acc, k)
+    return acc
+
+
+@cute.jit
+def gemm_into(tiled_mma: cute.TiledMma, thr, tidx, sA: cute.Tensor, sB: cute.Tensor, atom_a, atom_b,
+              acc: cute.Tensor, k: cutlass.Constexpr):
+    # acc (m x n, fp32, partitioned by `thr`) += A (m x k) B^T (B as (n, k)), both from shared memory through
+    # ldmatrix (`atom_a`, `atom_b`: plain for K-major operands, .trans for MN-major ones), k/16 blocks.
     s2r_a = cute.make_tiled_copy_A(atom_a, tiled_mma)
     s2r_b = cute.make_tiled_copy_B(atom_b, tiled_mma)
     thr_a = s2r_a.get_slice(tidx)
@@ -191,13 +265,10 @@ def gemm(tiled_mma: cute.TiledMma, thr, tidx, sA: cute.Tensor, sB: cute.Tensor, 
     tBs = thr_b.partition_S(sB)
     rA_v = thr_a.retile(rA)
     rB_v = thr_b.retile(rB)
-    acc = cute.make_rmem_tensor(thr.partition_shape_C((m, n)), cutlass.Float32)
-    acc.fill(0.0)
     for kb in cutlass.range_constexpr(k // 16):
         cute.copy(s2r_a, tAs[None, None, kb], rA_v[None, None, kb])
         cute.copy(s2r_b, tBs[None, None, kb], rB_v[None, None, kb])
         cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
-    return acc
 
 
 @cute.jit
@@ -212,9 +283,9 @@ def stage_rows(mSrc: cute.Tensor, sDst: cute.Tensor, t0, hv, rows, tidx, bt: cut
 
 
 @cute.jit
-def stage_state(mH: cute.Tensor, sS: cute.Tensor, tile, hv, tidx, k: cutlass.Constexpr, v: cutlass.Constexpr,
+def stage_state(mH: cute.Tensor, sS: cute.Tensor, slot, hv, tidx, k: cutlass.Constexpr, v: cutlass.Constexpr,
                 kv_layout: cutlass.Constexpr, dtype: cutlass.Constexpr, threads: cutlass.Constexpr):
-    # S of (tile, hv) (any dtype and either layout) into sS (key rows, the MMA type): 16-byte loads along
+    # S of (slot, hv) (any dtype and either layout) into sS (key rows, the MMA type): 16-byte loads along
     # the state's contiguous dim, a batch of them issued before any is converted and stored.
     n = 128 // mH.element_type.width  # elements a load
     lines = v if kv_layout else k  # elements of a contiguous row
@@ -225,7 +296,7 @@ def stage_state(mH: cute.Tensor, sS: cute.Tensor, tile, hv, tidx, k: cutlass.Con
         raw = cute.make_rmem_tensor(cute.make_layout((n, batch), stride=(1, n)), mH.element_type)
         for j in cutlass.range_constexpr(batch):
             e = tidx + threads * (b * batch + j)
-            row = mH[tile, hv, e // per_row, None]
+            row = mH[slot, hv, e // per_row, None]
             cute.autovec_copy(cute.local_tile(row, (n,), (e % per_row,)), raw[None, j])
         for j in cutlass.range_constexpr(batch):
             e = tidx + threads * (b * batch + j)

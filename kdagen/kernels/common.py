@@ -37,6 +37,7 @@ __all__ = [
     "store_segment_map",
     "seq_of_slice",
     "tile_rows",
+    "run_rows",
     "fused_mode",
     "mma_input",
     "load_step",
@@ -489,11 +490,19 @@ def tile_rows(mCu: cute.Tensor, bt: cutlass.Constexpr, tile: cutlass.Int32):
     # Tile `tile` of the map tile = floor(bos / bt) + seq + step (prepare's, the scans' and the backward's):
     # (its first token t0, its rows: at most bt, <= 0 where no sequence has this tile id, and its sequence's
     # first token bos: t0 < bos also means none).
-    seq = find_run(mCu, bt, tile)
-    bos = mCu[seq]
-    t0 = bos + (tile - (bos // bt + seq)) * bt
-    rows = cutlass.min(mCu[seq + 1] - t0, bt)
+    t0, rows, bos, _ = run_rows(mCu, bt, tile)
     return t0, rows, bos
+
+
+@cute.jit
+def run_rows(mCu: cute.Tensor, unit: cutlass.Constexpr, run: cutlass.Int32):
+    # `tile_rows` for pieces of `unit` tokens (the map run = floor(bos / unit) + seq + step), with the
+    # sequence: (t0, rows, bos, seq).
+    seq = find_run(mCu, unit, run)
+    bos = mCu[seq]
+    t0 = bos + (run - (bos // unit + seq)) * unit
+    rows = cutlass.min(mCu[seq + 1] - t0, unit)
+    return t0, rows, bos, seq
 
 
 @cute.jit
