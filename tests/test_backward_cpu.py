@@ -1,12 +1,12 @@
-"""The backward's plumbing on the CPU (`kdagen.backward`, the ``kdagen::forward_train`` and ``kdagen::backward``
-ops and their autograd registration), on a kernel whose device parts are emulated in fp64: its forward (the
-pool form with a checkpoint every run of tiles, as `tile_states` calls it) is the reference's, and its reverse
-scan (`bwd_scan`, or the `bwd_cp_*` stages in CP segments) is the chunked backward's state gradient, a chunk
-at a time, whole or in the segmented form, and `bwd_tile` carries each run's state through its tiles in fp64.
-Everything else runs as on the GPU: the tile map, the states' and dS's layouts, the chunk-local backward, the
-gate's, l2norm's and beta's backward and the GVA sums, both recompute modes. The gradients must equal those of
-the fp64 autograd oracle (`kda_reference_autograd`) over gate modes, GVA, varlen with partial tiles, both
-state layouts and beta modes."""
+"""The backward's plumbing on the CPU (`kdagen.backward`, the ``kdagen::forward_train`` and
+``kdagen::backward`` ops and their autograd registration), on a kernel whose device parts are emulated in
+fp64: its forward (the pool form with a checkpoint every run of tiles, as `tile_states` calls it) is the
+reference's, and its reverse scan (`bwd_scan`, or the `bwd_cp_*` stages in CP segments) is the chunked
+backward's state gradient, a chunk at a time, whole or in the segmented form, and `bwd_tile` carries each
+run's state through its tiles in fp64. Everything else runs as on the GPU: the tile map, the states' and
+dS's layouts, the chunk-local backward, the gate's, l2norm's and beta's backward and the GVA sums, both
+recompute modes. The gradients must equal those of the fp64 autograd oracle (`kda_reference_autograd`) over
+gate modes, GVA, varlen with partial tiles, both state layouts and beta modes."""
 
 from __future__ import annotations
 
