@@ -170,6 +170,25 @@ def bwd_state_tiles(spec: KernelSpec) -> int:
     return BWD_STATE_TILES
 
 
+def _bwd_tile_ring(spec: KernelSpec) -> int:
+    """Tiles of rows in `bwd_tile`'s ring (2: the next tile's rows load during this one's products, 1: after
+    its carry): the deeper ring unless it costs CTAs an SM (of the 16 warps its registers are capped for) or
+    does not fit a CTA. The CTA holds S and dS^T ([K, V] each), dR and R ([16, V] each), dgt's partial sums
+    (a warp's a key) and, a tile of the ring, Kd, Akt, dO, V, Aq and gt, plus the driver's 1 KB
+    (`kdagen.kernels.bwd_tile.run_products`)."""
+    k, v, bt = spec.head_dim_k, spec.head_dim_v, CHUNK
+    warps = min(8, min(k, v) // 16)
+    cap = spec.arch_info.smem_bytes_per_block
+
+    def smem(ring: int) -> int:
+        return 2 * (2 * k * v + 2 * bt * v) + 4 * warps * k + ring * (2 * bt * (2 * k + 2 * v + bt) + 4 * k) + 2048
+
+    def ctas(ring: int) -> int:
+        return min((cap + 1024) // smem(ring), 16 // warps) if smem(ring) <= cap else 0
+
+    return 2 if ctas(2) >= max(1, ctas(1)) else 1
+
+
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
     """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (five [16, K + 1]
     fp32 tiles, ten [16, 17] fp32 matrices, beta, the row sums' warp sums and totals and the norms, plus the
@@ -522,7 +541,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     # (templates/mma_sync/bwd_tile.py.j2): the forward keeps the state entering every run, not every tile.
     bwd_tile = StagePlan(
         "bwd_tile", f"{shared}/bwd_tile.py.j2",
-        {**common, "state_layout": spec.state_layout, "state_tiles": bwd_state_tiles(spec)},
+        {**common, "state_layout": spec.state_layout, "state_tiles": bwd_state_tiles(spec),
+         "ring": _bwd_tile_ring(spec)},
         note=f"backward: {bwd_state_tiles(spec)} tiles' products with their states, carried from the one "
              "entering the first, one CTA a run and head",
     )

@@ -25,8 +25,8 @@ from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
 __all__ = [
-    "MAX_WARPS", "ProductsConfig", "gemm", "gemm_into", "products_mmas", "run_products", "stage_carry",
-    "stage_rows", "stage_state", "stage_tile",
+    "MAX_WARPS", "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "products_mmas", "run_products", "stage_dh",
+    "stage_rows", "stage_rows_of", "stage_state",
 ]
 
 MAX_WARPS = 8  # 16 output columns a warp: two CTAs an SM (shared memory) keep 16 warps busy
@@ -42,6 +42,7 @@ class ProductsConfig:
     dtype: Any  # the MMA type (cutlass.BFloat16 or Float16): the tiles, dh, and S as staged
     kv_layout: bool  # h is [slots, HV, K, V] if True, else [slots, HV, V, K]
     span: int  # tiles a CTA runs through: the states arrive one a run of this many tiles
+    ring: int  # tiles of rows staged at once (2: the next tile's load during this one's products)
 
     @property
     def warps(self) -> int:
@@ -58,10 +59,6 @@ class ProductsConfig:
         # state's accumulators take the compiler to ~230 and one CTA an SM, idle while it waits on its loads.
         return 2 * MAX_WARPS // self.warps
 
-    @property
-    def dgt_parts(self) -> int:
-        # threads sharing a key row of dgt, each summing a slice of the values
-        return max(1, self.threads // self.k)
 
 
 def products_mmas(dtype, warps: int):
@@ -82,27 +79,37 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     smem = cutlass.memory.SmemAllocator()
     sS = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.k, cfg.v), 1024)  # S (key rows)
     sD = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.v, cfg.k), 1024)  # dS^T (value rows)
-    sKd = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k), 1024)
-    sAkt = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k), 1024)
-    sDo = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
-    sV = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
+    # A tile's rows in a ring of `cfg.ring` (of two: the next tile's rows load while this one's products run).
+    sKd2 = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k, cfg.ring), 1024)
+    sAkt2 = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.k, cfg.ring), 1024)
+    sDo2 = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v, cfg.ring), 1024)
+    sV2 = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v, cfg.ring), 1024)
+    sAq2 = smem.allocate_tensor(
+        cfg.dtype, cute.make_layout((cfg.bt, cfg.bt, cfg.ring), stride=(cfg.bt, 1, cfg.bt * cfg.bt)), 128)
+    sG2 = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, cfg.k, cfg.ring), stride=(cfg.k, 1, cfg.k)),
+                               16)
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
-    sAq = smem.allocate_tensor(cfg.dtype, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)), 128)
-    sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, cfg.k), stride=(cfg.k, 1)), 16)
-    parts = cfg.dgt_parts
-    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
+    # dgt's partial sums, a warp's (its value columns) a row
+    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((cfg.warps, cfg.k), stride=(cfg.k, 1)), 16)
 
-    # ---- the first tile's rows, its dS and gt, and the state entering the run ----
+    # ---- the first tile's rows and dS and the state entering the run, then (a ring of two) the second's ----
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
     # K-first S by cp.async, a V-first S by 16-byte loads into registers (it is transposed on the way in).
-    stage_tile(cfg, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile0, t0, hv, rows, tidx)
-    stage_carry(cfg, mAkt, mGt, sAkt, sG, tile0, t0, hv, rows, tidx)
+    n_tiles = (rows + cfg.bt - 1) // cfg.bt
+    stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, 0, tile0, t0, hv, rows,
+                  tidx)
+    stage_dh(cfg, mDh, sD, tile0, hv, tidx)
     if cutlass.const_expr(cfg.kv_layout):
         copy_s = row_copy(cfg.dtype, cfg.v, cfg.threads)
         thr_s = copy_s.get_slice(tidx)
         cute.copy(copy_s, thr_s.partition_S(mH[slot, hv, None, None]), thr_s.partition_D(sS))
     cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(cfg.ring > 1):
+        if n_tiles > 1:
+            stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, 1, tile0 + 1,
+                          t0 + cfg.bt, hv, rows - cfg.bt, tidx)
+        cute.arch.cp_async_commit_group()
     if cutlass.const_expr(not cfg.kv_layout):
         stage_state(mH, sS, slot, hv, tidx, cfg.k, cfg.v, cfg.kv_layout, cfg.dtype, cfg.threads)
 
@@ -112,79 +119,92 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     # Operand views, (M or N, K) each: K-major ones take plain ldmatrix, MN-major ones ldmatrix.trans.
     # (N=v, K=key): S^T, MN-major
     sS_kv = cute.composition(sS, cute.make_layout((cfg.v, cfg.k), stride=(cfg.k, 1)))
-    # (M=t, K=s): Aq^T, MN-major
-    sAqT = cute.composition(sAq, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)))
-    # (N=v, K=s): dO^T, MN-major
-    sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
     # (N=key, K=v): dS^T^T, MN-major
     sDT = cute.composition(sD, cute.make_layout((cfg.k, cfg.v), stride=(cfg.v, 1)))
-    # (M=key, K=s): Akt^T, MN-major; (N=v, K=s): R^T, MN-major (the carry's operands)
-    sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
+    # (N=v, K=s): R^T, MN-major (the carry's B)
     sRT = cute.composition(sR, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
     coord_v = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.v)))
     coord_k = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.k)))
+    tRs = thr.partition_C(sR)
+    # dS at S's accumulator coordinates (key, value), by ldmatrix.trans: an 8 x 8 block of the C layout is
+    # one of ldmatrix's, and sD holds it transposed.
+    s2r_c = cute.make_tiled_copy_C(
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=2), cfg.dtype), mma_wide)
+    thr_c = s2r_c.get_slice(tidx)
+    tDs_src = thr_c.partition_S(sDT)
+    tDs = cute.make_rmem_tensor(thr.partition_shape_C((cfg.k, cfg.v)), cfg.dtype)
+    tDs_dst = thr_c.retile(tDs)
+    # The accumulators' rows are 16 m + 8 h + g for lane 4g + q (m: the 16-row block, h: the half): thread
+    # 0's slice gives each accumulator's r = 2 m + h, the same for every thread.
+    rows0 = mma_wide.get_slice(0).partition_C(cute.make_identity_tensor((cfg.k, cfg.v)))
+    tDrs = thr.partition_C(sDr)
 
     # S in fp32 accumulators (key rows), carried from tile to tile as the forward carries it; sS holds its
     # copy in the MMA type, the operand of every product (the forward's operand too).
-    acc_s = cute.make_rmem_tensor(thr.partition_shape_C((cfg.k, cfg.v)), cutlass.Float32)
-    coord_s = thr.partition_C(cute.make_identity_tensor((cfg.k, cfg.v)))
-    cute.arch.cp_async_wait_group(0)
+    tSs = thr.partition_C(sS)
+    acc_s = cute.make_rmem_tensor(tSs.shape, cutlass.Float32)
+    cute.arch.cp_async_wait_group(cfg.ring - 1)
     cute.arch.sync_threads()
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        acc_s[i] = sS[coord_s[i][0], coord_s[i][1]].to(cutlass.Float32)
+    acc_s.store(tSs.load().to(cutlass.Float32))
 
-    n_tiles = (rows + cfg.bt - 1) // cfg.bt
     for j in range(n_tiles):
+        st = j % cfg.ring
         tile = tile0 + j
         tj = t0 + j * cfg.bt
         rj = cutlass.min(rows - j * cfg.bt, cfg.bt)
-        # dgt: the row sums of S * dS over the values (fp32 sums of the staged products); `parts` threads
-        # share a key row, each summing a slice of the values, and the slices are added in order.
-        width = cfg.v // parts
-        for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
-            v0 = (tidx // cfg.k) * width
-            acc = cutlass.Float32(0.0)
-            for vr in cutlass.range(width, unroll=8):
-                acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
-            if cutlass.const_expr(parts == 1):
-                mDgt[tile, hv, kc] = acc
-            else:
-                sPart[tidx // cfg.k, kc] = acc
+        sKd = sKd2[None, None, st]
+        sAkt = sAkt2[None, None, st]
+        sDo = sDo2[None, None, st]
+        sV = sV2[None, None, st]
+        sAq = sAq2[None, None, st]
+        # (M=t, K=s): Aq^T, MN-major; (N=v, K=s): dO^T, MN-major; (M=key, K=s): Akt^T, MN-major
+        sAqT = cute.composition(sAq, cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1)))
+        sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
+        sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
 
+        # ---- dgt = the row sums of S * dS: the warps' partial sums (first: no product's registers are live) ----
+        dgt_partials(cfg, s2r_c, tDs_src, tDs_dst, rows0, acc_s, tDs, sPart, warp_idx, lane)
         # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
         acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
-        for i in cutlass.range_constexpr(cute.size(acc_r)):
-            r = coord_v[i][0]
-            c = coord_v[i][1]
-            sR[r, c] = (sV[r, c].to(cutlass.Float32) - acc_r[i]).to(cfg.dtype)
+        tVs = thr.partition_C(sV)
+        acc_r.store(tVs.load().to(cutlass.Float32) - acc_r.load())
+        tRs.store(acc_r.load().to(cfg.dtype))
         # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
         acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
         gemm_into(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, acc_d, cfg.k)
         for i in cutlass.range_constexpr(cute.size(acc_d)):
             r = coord_v[i][0]
-            c = coord_v[i][1]
             if r < rj:
-                mDv[tj + r, hv, c] = acc_d[i].to(cfg.dtype)
-            sDr[r, c] = (-acc_d[i]).to(cfg.dtype)
+                mDv[tj + r, hv, coord_v[i][1]] = acc_d[i].to(cfg.dtype)
+        tDrs.store((-acc_d.load()).to(cfg.dtype))
         cute.arch.sync_threads()
-        if cutlass.const_expr(parts > 1):
-            if tidx < cfg.k:
-                acc = sPart[0, tidx]
-                for p in cutlass.range_constexpr(1, parts):
-                    acc = acc + sPart[p, tidx]
-                mDgt[tile, hv, tidx] = acc
 
-        # ---- dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T (16 x K) ----
+        # ---- dAkt = R dS^T (16 x K), the last reader of dS ----
+        acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
+        for i in cutlass.range_constexpr(cute.size(acc_a)):
+            r = coord_k[i][0]
+            if r < rj:
+                mDakt[tj + r, hv, coord_k[i][1]] = acc_a[i]
+        cute.arch.sync_threads()
+        # The next tile's dS loads while this tile's other products and the carry run.
+        if j + 1 < n_tiles:
+            stage_dh(cfg, mDh, sD, tile + 1, hv, tidx)
+        cute.arch.cp_async_commit_group()
+        if tidx < cfg.k:  # the warps' partial sums, added in order
+            acc = sPart[0, tidx]
+            for w in cutlass.range_constexpr(1, cfg.warps):
+                acc = acc + sPart[w, tidx]
+            mDgt[tile, hv, tidx] = acc
+
+        # ---- dQd = dO S^T, dKd = -dR S^T (16 x K) ----
         acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
         acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-        acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
         for i in cutlass.range_constexpr(cute.size(acc_q)):
             r = coord_k[i][0]
             c = coord_k[i][1]
             if r < rj:
                 mDqd[tj + r, hv, c] = acc_q[i]
                 mDkd[tj + r, hv, c] = acc_k[i]
-                mDakt[tj + r, hv, c] = acc_a[i]
         # ---- dAq = dO R^T (16 x 16), one warp ----
         if warp_idx == 0:
             thr1 = mma1.get_slice(lane)
@@ -197,47 +217,78 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 
         # ---- the state into the next tile: S' = diag(gt) S + Akt^T R ----
         if j + 1 < n_tiles:
-            # The next tile's rows and dS go where this tile's products are done with theirs; its Akt and gt
-            # once the carry has read this tile's, and S' into sS once every product has read S.
-            cute.arch.sync_threads()
-            stage_tile(cfg, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile + 1, tj + cfg.bt, hv,
-                       rows - (j + 1) * cfg.bt, tidx)
-            cute.arch.cp_async_commit_group()
+            gts = cute.make_rmem_tensor(cute.make_layout((cfg.k // 8,)), cutlass.Float32)  # a row's gt
+            for r in cutlass.range_constexpr(cfg.k // 8):
+                gts[r] = sG2[0, 8 * r + lane // 4, st]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * sG[0, coord_s[i][0]]
+                acc_s[i] = acc_s[i] * gts[rows0[i][0] // 8]
             gemm_into(mma_wide, thr, tidx, sAktT, sRT, ldsm_t, ldsm_t, acc_s, cfg.bt)
+            # Once every thread is past this tile's reads of S and of its ring slot: S' into sS, and the
+            # rows of the tile `ring` on into the slot.
             cute.arch.sync_threads()
-            stage_carry(cfg, mAkt, mGt, sAkt, sG, tile + 1, tj + cfg.bt, hv, rows - (j + 1) * cfg.bt, tidx)
+            tSs.store(acc_s.load().to(cfg.dtype))
+            if j + cfg.ring < n_tiles:
+                stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, st,
+                              tile + cfg.ring, tj + cfg.ring * cfg.bt, hv, rows - (j + cfg.ring) * cfg.bt, tidx)
             cute.arch.cp_async_commit_group()
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                sS[coord_s[i][0], coord_s[i][1]] = acc_s[i].to(cfg.dtype)
-            cute.arch.cp_async_wait_group(0)
+            # In flight, oldest first: (a ring of two) the next tile's rows, its dS, the rows `ring` on: all
+            # but the last land.
+            cute.arch.cp_async_wait_group(cfg.ring - 1)
             cute.arch.sync_threads()
 
 
 @cute.jit
-def stage_tile(cfg: cutlass.Constexpr, mKd, mAq, mV, mDo, mDh, sKd, sAq, sV, sDo, sD, tile, t0, hv, rows,
-               tidx):
-    # A tile's rows of Kd, Aq, V and dO (zero past its end) and the gradient leaving it, dS^T, by cp.async:
-    # what its products read and the carry does not.
-    stage_rows(mKd, sKd, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
-    stage_rows(mDo, sDo, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
-    stage_rows(mV, sV, t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
-    stage_rows(mAq, sAq, t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype, cfg.threads)
-    copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
-    thr_d = copy_d.get_slice(tidx)
-    cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
+def dgt_partials(cfg: cutlass.Constexpr, s2r_c, tDs_src, tDs_dst, rows0, acc_s: cute.Tensor, tDs: cute.Tensor,
+                 sPart: cute.Tensor, warp_idx, lane):
+    # dgt's partial sums over each warp's value columns, into sPart[warp]: the products of S (fp32, the carried
+    # accumulators) and dS (read by `s2r_c` at the same coordinates, a 16-row block at a time) summed a key
+    # row a thread, then over the four lanes that share the rows by a transposing butterfly (each step hands
+    # half of a lane's rows to its partner), after which lane 4g + q holds rows 8 r + g for r in its quarter.
+    # Fixed order throughout.
+    n = cfg.k // 8
+    sums = cute.make_rmem_tensor(cute.make_layout((n,)), cutlass.Float32)
+    sums.fill(0.0)
+    for m in cutlass.range_constexpr(cfg.k // 16):
+        cute.copy(s2r_c, tDs_src[None, m, None], tDs_dst[None, m, None])
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            if cutlass.const_expr(rows0[i][0] // 16 == m):
+                r = rows0[i][0] // 8
+                sums[r] = sums[r] + acc_s[i] * tDs[i].to(cutlass.Float32)
+    for o in cutlass.range_constexpr(2):
+        half = n >> (o + 1)
+        upper = (lane & (2 >> o)) != 0
+        for i in cutlass.range_constexpr(half):
+            send = cutlass.select_(upper, sums[i], sums[i + half])
+            keep = cutlass.select_(upper, sums[i + half], sums[i])
+            sums[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=2 >> o)
+    quarter = n // 4
+    for i in cutlass.range_constexpr(quarter):
+        sPart[warp_idx, 8 * ((lane % 4) * quarter + i) + lane // 4] = sums[i]
 
 
 @cute.jit
-def stage_carry(cfg: cutlass.Constexpr, mAkt, mGt, sAkt, sG, tile, t0, hv, rows, tidx):
-    # A tile's rows of Akt (zero past its end) and its decay gt by cp.async: what the carry reads.
-    stage_rows(mAkt, sAkt, t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+def stage_rows_of(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, st,
+                  tile, t0, hv, rows, tidx):
+    # A tile's rows of Kd, Akt, Aq, V and dO (zero past its end) and its decay gt into ring slot `st`, by
+    # cp.async.
+    stage_rows(mKd, sKd2[None, None, st], t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    stage_rows(mAkt, sAkt2[None, None, st], t0, hv, rows, tidx, cfg.bt, cfg.k, cfg.dtype, cfg.threads)
+    stage_rows(mDo, sDo2[None, None, st], t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
+    stage_rows(mV, sV2[None, None, st], t0, hv, rows, tidx, cfg.bt, cfg.v, cfg.dtype, cfg.threads)
+    stage_rows(mAq, sAq2[None, None, st], t0, hv, rows, tidx, cfg.bt, cfg.bt, cfg.dtype, cfg.threads)
     if tidx < cfg.k // 4:
         copy_g = row_copy(cutlass.Float32, cfg.k, cfg.k // 4)
         thr_g = copy_g.get_slice(tidx)
         g = cute.local_tile(mGt[None, hv, None], (1, cfg.k), (tile, 0))
-        cute.copy(copy_g, thr_g.partition_S(g), thr_g.partition_D(sG))
+        cute.copy(copy_g, thr_g.partition_S(g), thr_g.partition_D(sG2[None, None, st]))
+
+
+@cute.jit
+def stage_dh(cfg: cutlass.Constexpr, mDh, sD, tile, hv, tidx):
+    # The gradient of the state leaving a tile, dS^T (the scan's), by cp.async.
+    copy_d = row_copy(cfg.dtype, cfg.k, cfg.threads)
+    thr_d = copy_d.get_slice(tidx)
+    cute.copy(copy_d, thr_d.partition_S(mDh[tile, hv, None, None]), thr_d.partition_D(sD))
 
 
 @cute.jit
