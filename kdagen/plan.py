@@ -181,7 +181,8 @@ def _bwd_tile_ring(spec: KernelSpec) -> int:
     cap = spec.arch_info.smem_bytes_per_block
 
     def smem(ring: int) -> int:
-        return 2 * (2 * k * v + 2 * bt * v) + 4 * warps * k + ring * (2 * bt * (2 * k + 2 * v + bt) + 4 * k) + 2048
+        rows = 2 * bt * (2 * k + 2 * v + bt) + 4 * k  # a tile's rows and gt
+        return 2 * (2 * k * v + 2 * bt * v) + 4 * warps * k + ring * rows + 2048
 
     def ctas(ring: int) -> int:
         return min((cap + 1024) // smem(ring), 16 // warps) if smem(ring) <= cap else 0

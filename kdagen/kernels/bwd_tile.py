@@ -25,7 +25,8 @@ from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
 __all__ = [
-    "MAX_WARPS", "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "products_mmas", "run_products", "stage_dh",
+    "MAX_WARPS", "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "products_mmas", "run_products",
+    "stage_dh",
     "stage_rows", "stage_rows_of", "stage_state",
 ]
 
@@ -86,8 +87,8 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     sV2 = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v, cfg.ring), 1024)
     sAq2 = smem.allocate_tensor(
         cfg.dtype, cute.make_layout((cfg.bt, cfg.bt, cfg.ring), stride=(cfg.bt, 1, cfg.bt * cfg.bt)), 128)
-    sG2 = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, cfg.k, cfg.ring), stride=(cfg.k, 1, cfg.k)),
-                               16)
+    sG2 = smem.allocate_tensor(
+        cutlass.Float32, cute.make_layout((1, cfg.k, cfg.ring), stride=(cfg.k, 1, cfg.k)), 16)
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     # dgt's partial sums, a warp's (its value columns) a row
@@ -97,8 +98,8 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
     # K-first S by cp.async, a V-first S by 16-byte loads into registers (it is transposed on the way in).
     n_tiles = (rows + cfg.bt - 1) // cfg.bt
-    stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, 0, tile0, t0, hv, rows,
-                  tidx)
+    stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, 0, tile0, t0, hv,
+                  rows, tidx)
     stage_dh(cfg, mDh, sD, tile0, hv, tidx)
     if cutlass.const_expr(cfg.kv_layout):
         copy_s = row_copy(cfg.dtype, cfg.v, cfg.threads)
@@ -162,7 +163,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
         sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
 
-        # ---- dgt = the row sums of S * dS: the warps' partial sums (first: no product's registers are live) ----
+        # ---- dgt = the row sums of S * dS: the warps' partial sums (first: no product's registers live) ----
         dgt_partials(cfg, s2r_c, tDs_src, tDs_dst, rows0, acc_s, tDs, sPart, warp_idx, lane)
         # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
         acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
@@ -229,7 +230,8 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
             tSs.store(acc_s.load().to(cfg.dtype))
             if j + cfg.ring < n_tiles:
                 stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, st,
-                              tile + cfg.ring, tj + cfg.ring * cfg.bt, hv, rows - (j + cfg.ring) * cfg.bt, tidx)
+                              tile + cfg.ring, tj + cfg.ring * cfg.bt, hv, rows - (j + cfg.ring) * cfg.bt,
+                              tidx)
             cute.arch.cp_async_commit_group()
             # In flight, oldest first: (a ring of two) the next tile's rows, its dS, the rows `ring` on: all
             # but the last land.
@@ -240,11 +242,11 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 @cute.jit
 def dgt_partials(cfg: cutlass.Constexpr, s2r_c, tDs_src, tDs_dst, rows0, acc_s: cute.Tensor, tDs: cute.Tensor,
                  sPart: cute.Tensor, warp_idx, lane):
-    # dgt's partial sums over each warp's value columns, into sPart[warp]: the products of S (fp32, the carried
-    # accumulators) and dS (read by `s2r_c` at the same coordinates, a 16-row block at a time) summed a key
-    # row a thread, then over the four lanes that share the rows by a transposing butterfly (each step hands
-    # half of a lane's rows to its partner), after which lane 4g + q holds rows 8 r + g for r in its quarter.
-    # Fixed order throughout.
+    # dgt's partial sums over each warp's value columns, into sPart[warp]: the products of S (fp32, the
+    # carried accumulators) and dS (read by `s2r_c` at the same coordinates, a 16-row block at a time) summed
+    # a key row a thread, then over the four lanes that share the rows by a transposing butterfly (each step
+    # hands half of a lane's rows to its partner), after which lane 4g + q holds rows 8 r + g for r in its
+    # quarter. Fixed order throughout.
     n = cfg.k // 8
     sums = cute.make_rmem_tensor(cute.make_layout((n,)), cutlass.Float32)
     sums.fill(0.0)
