@@ -174,7 +174,7 @@ def _bwd_tile_ring(spec: KernelSpec) -> int:
     """Tiles of rows in `bwd_tile`'s ring (2: the next tile's rows load during this one's products, 1: after
     its carry): the deeper ring unless it costs CTAs an SM (of the 16 warps its registers are capped for) or
     does not fit a CTA. The CTA holds S and dS^T ([K, V] each), dR and R ([16, V] each), dgt's partial sums
-    (a warp's a key) and, a tile of the ring, Kd, Akt, dO, V, Aq and gt, plus the driver's 1 KB
+    (at most a warp's a key) and, a tile of the ring, Kd, Akt, dO, V, Aq and gt, plus the driver's 1 KB
     (`kdagen.kernels.bwd_tile.run_products`)."""
     k, v, bt = spec.head_dim_k, spec.head_dim_v, CHUNK
     warps = min(8, min(k, v) // 16)

@@ -25,9 +25,8 @@ from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
 __all__ = [
-    "MAX_WARPS", "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "products_mmas", "run_products",
-    "stage_dh",
-    "stage_rows", "stage_rows_of", "stage_state",
+    "MAX_WARPS", "ProductsConfig", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
+    "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c",
 ]
 
 MAX_WARPS = 8  # 16 output columns a warp: two CTAs an SM (shared memory) keep 16 warps busy
@@ -53,6 +52,11 @@ class ProductsConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+    @property
+    def dgt_parts(self) -> int:
+        # threads sharing a key row of dgt, each summing a slice of the values
+        return max(1, self.threads // self.k)
 
     @property
     def min_ctas(self) -> int:
@@ -91,8 +95,8 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         cutlass.Float32, cute.make_layout((1, cfg.k, cfg.ring), stride=(cfg.k, 1, cfg.k)), 16)
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
-    # dgt's partial sums, a warp's (its value columns) a row
-    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((cfg.warps, cfg.k), stride=(cfg.k, 1)), 16)
+    parts = cfg.dgt_parts
+    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
 
     # ---- the first tile's rows and dS and the state entering the run, then (a ring of two) the second's ----
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
@@ -127,14 +131,6 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     coord_v = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.v)))
     coord_k = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.k)))
     tRs = thr.partition_C(sR)
-    # dS at S's accumulator coordinates (key, value), by ldmatrix.trans: an 8 x 8 block of the C layout is
-    # one of ldmatrix's, and sD holds it transposed.
-    s2r_c = cute.make_tiled_copy_C(
-        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=2), cfg.dtype), mma_wide)
-    thr_c = s2r_c.get_slice(tidx)
-    tDs_src = thr_c.partition_S(sDT)
-    tDs = cute.make_rmem_tensor(thr.partition_shape_C((cfg.k, cfg.v)), cfg.dtype)
-    tDs_dst = thr_c.retile(tDs)
     # The accumulators' rows are 16 m + 8 h + g for lane 4g + q (m: the 16-row block, h: the half): thread
     # 0's slice gives each accumulator's r = 2 m + h, the same for every thread.
     rows0 = mma_wide.get_slice(0).partition_C(cute.make_identity_tensor((cfg.k, cfg.v)))
@@ -143,10 +139,10 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     # S in fp32 accumulators (key rows), carried from tile to tile as the forward carries it; sS holds its
     # copy in the MMA type, the operand of every product (the forward's operand too).
     tSs = thr.partition_C(sS)
-    acc_s = cute.make_rmem_tensor(tSs.shape, cutlass.Float32)
+    acc_s = cute.make_rmem_tensor(thr.partition_shape_C((cfg.k, cfg.v)), cutlass.Float32)
     cute.arch.cp_async_wait_group(cfg.ring - 1)
     cute.arch.sync_threads()
-    acc_s.store(tSs.load().to(cutlass.Float32))
+    load_c(tSs, acc_s, cfg.dtype)
 
     for j in range(n_tiles):
         st = j % cfg.ring
@@ -163,13 +159,22 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
         sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
 
-        # ---- dgt = the row sums of S * dS: the warps' partial sums (first: no product's registers live) ----
-        dgt_partials(cfg, s2r_c, tDs_src, tDs_dst, rows0, acc_s, tDs, sPart, warp_idx, lane)
+        # ---- dgt = the row sums of S * dS over the values (fp32 sums of the staged products) ----
+        # `parts` threads share a key row, each summing a slice of the values, added in order below.
+        width = cfg.v // parts
+        for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
+            v0 = (tidx // cfg.k) * width
+            acc = cutlass.Float32(0.0)
+            for vr in cutlass.range(width, unroll=8):
+                acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
+            sPart[tidx // cfg.k, kc] = acc
         # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
         acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
-        tVs = thr.partition_C(sV)
-        acc_r.store(tVs.load().to(cutlass.Float32) - acc_r.load())
-        tRs.store(acc_r.load().to(cfg.dtype))
+        v_in = cute.make_rmem_tensor(acc_r.layout, cutlass.Float32)
+        load_c(thr.partition_C(sV), v_in, cfg.dtype)
+        for i in cutlass.range_constexpr(cute.size(acc_r)):
+            acc_r[i] = v_in[i] - acc_r[i]
+        store_c(acc_r, tRs, cfg.dtype)
         # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
         acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
         gemm_into(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, acc_d, cfg.k)
@@ -177,7 +182,9 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
             r = coord_v[i][0]
             if r < rj:
                 mDv[tj + r, hv, coord_v[i][1]] = acc_d[i].to(cfg.dtype)
-        tDrs.store((-acc_d.load()).to(cfg.dtype))
+        for i in cutlass.range_constexpr(cute.size(acc_d)):
+            acc_d[i] = -acc_d[i]
+        store_c(acc_d, tDrs, cfg.dtype)
         cute.arch.sync_threads()
 
         # ---- dAkt = R dS^T (16 x K), the last reader of dS ----
@@ -191,9 +198,9 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         if j + 1 < n_tiles:
             stage_dh(cfg, mDh, sD, tile + 1, hv, tidx)
         cute.arch.cp_async_commit_group()
-        if tidx < cfg.k:  # the warps' partial sums, added in order
+        if tidx < cfg.k:
             acc = sPart[0, tidx]
-            for w in cutlass.range_constexpr(1, cfg.warps):
+            for w in cutlass.range_constexpr(1, parts):
                 acc = acc + sPart[w, tidx]
             mDgt[tile, hv, tidx] = acc
 
@@ -227,7 +234,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
             # Once every thread is past this tile's reads of S and of its ring slot: S' into sS, and the
             # rows of the tile `ring` on into the slot.
             cute.arch.sync_threads()
-            tSs.store(acc_s.load().to(cfg.dtype))
+            store_c(acc_s, tSs, cfg.dtype)
             if j + cfg.ring < n_tiles:
                 stage_rows_of(cfg, mKd, mAkt, mAq, mV, mDo, mGt, sKd2, sAkt2, sAq2, sV2, sDo2, sG2, st,
                               tile + cfg.ring, tj + cfg.ring * cfg.bt, hv, rows - (j + cfg.ring) * cfg.bt,
@@ -240,32 +247,23 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 
 
 @cute.jit
-def dgt_partials(cfg: cutlass.Constexpr, s2r_c, tDs_src, tDs_dst, rows0, acc_s: cute.Tensor, tDs: cute.Tensor,
-                 sPart: cute.Tensor, warp_idx, lane):
-    # dgt's partial sums over each warp's value columns, into sPart[warp]: the products of S (fp32, the
-    # carried accumulators) and dS (read by `s2r_c` at the same coordinates, a 16-row block at a time) summed
-    # a key row a thread, then over the four lanes that share the rows by a transposing butterfly (each step
-    # hands half of a lane's rows to its partner), after which lane 4g + q holds rows 8 r + g for r in its
-    # quarter. Fixed order throughout.
-    n = cfg.k // 8
-    sums = cute.make_rmem_tensor(cute.make_layout((n,)), cutlass.Float32)
-    sums.fill(0.0)
-    for m in cutlass.range_constexpr(cfg.k // 16):
-        cute.copy(s2r_c, tDs_src[None, m, None], tDs_dst[None, m, None])
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            if cutlass.const_expr(rows0[i][0] // 16 == m):
-                r = rows0[i][0] // 8
-                sums[r] = sums[r] + acc_s[i] * tDs[i].to(cutlass.Float32)
-    for o in cutlass.range_constexpr(2):
-        half = n >> (o + 1)
-        upper = (lane & (2 >> o)) != 0
-        for i in cutlass.range_constexpr(half):
-            send = cutlass.select_(upper, sums[i], sums[i + half])
-            keep = cutlass.select_(upper, sums[i + half], sums[i])
-            sums[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=2 >> o)
-    quarter = n // 4
-    for i in cutlass.range_constexpr(quarter):
-        sPart[warp_idx, 8 * ((lane % 4) * quarter + i) + lane // 4] = sums[i]
+def store_c(acc: cute.Tensor, tDst: cute.Tensor, dtype: cutlass.Constexpr):
+    # fp32 accumulators into their partition of a shared-memory tile (the same elements in the same order),
+    # rounded to `dtype`: a fragment in the partition's own layout, copied by vector stores where the
+    # partition's offsets allow (an accumulator's column pairs are adjacent).
+    frag = cute.make_rmem_tensor(tDst.shape, dtype)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        frag[i] = acc[i].to(dtype)
+    cute.autovec_copy(frag, tDst)
+
+
+@cute.jit
+def load_c(tSrc: cute.Tensor, acc: cute.Tensor, dtype: cutlass.Constexpr):
+    # The reverse of `store_c`: a partition of a shared-memory tile into fp32 accumulators.
+    frag = cute.make_rmem_tensor(tSrc.shape, dtype)
+    cute.autovec_copy(tSrc, frag)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = frag[i].to(cutlass.Float32)
 
 
 @cute.jit
