@@ -36,7 +36,7 @@ num_accepted_tokens, has_initial_state, update_state, cu_seqlens, out) -> o``
   in q's dtype.
 - Training: ``torch.ops.kdagen.forward_train(spec_json, q, k, v, g, beta, scale, A_log, dt_bias,
   initial_state, output_final_state, cu_seqlens, policy_json, recompute) -> (o, final_state, states)`` is the
-  forward for autograd: with ``recompute`` False it also returns the state entering every 16-token tile
+  forward for autograd: with ``recompute`` False it also returns the state entering every 64 tokens
   (`kdagen.backward.tile_states`), kept for the backward; with True, an empty tensor (the backward reruns
   the forward for them). ``torch.ops.kdagen.backward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias,
   initial_state, cu_seqlens, policy_json, states, do, dht) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias,

@@ -858,9 +858,9 @@ class KDAKernel:
         With grad enabled and an input that requires grad (q, k, v, g, beta, A_log, dt_bias,
         initial_state), the call goes through the ``kdagen::forward_train`` op and records its autograd
         node (`kdagen.backward` has the backward): compact states only, no ``out``. The backward needs the
-        state entering every 16-token tile: ``recompute=True`` reruns the forward for them in the backward,
-        False keeps them from the forward (K x V in the spec's dtype per tile and value head: 8x o's bytes at
-        K = V = 128).
+        state entering every 64 tokens: ``recompute=True`` reruns the forward for them in the backward,
+        False keeps them from the forward (K x V in the spec's dtype per 64 tokens and value head: 2x o's
+        bytes at K = V = 128).
 
         q, k, v, g and beta may be row-strided views (slices of one packed projection): read in place when
         their rows are compact, the token stride is a multiple of 16 bytes (beta: any), B and T fold into

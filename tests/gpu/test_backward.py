@@ -2,7 +2,8 @@
 (`kda_reference_autograd`), relative RMSE within kda-math §4's bounds (dq, dk, dv, dh0, dA_log, ddt_bias
 0.008; dg, dbeta 0.02), over a cover of the forward's spec matrix (gate modes, safe gate on and off with
 hard resets, GVA, head dims 64 and 128, bf16 and fp16, both state layouts, beta modes, both families), fixed
-length and varlen, both recompute modes; and `tile_states`' per-tile states against the chunked forward."""
+length and varlen, both recompute modes (the kept states, one every 64 tokens, giving the recomputed
+gradients bit for bit)."""
 
 from __future__ import annotations
 
