@@ -246,7 +246,8 @@ def chunk_kda(
     spec's ``beta`` (beta logits, the sigmoid and its doubling in the kernel). Refused with an `InputError`
     naming the keyword: ``return_intermediate_states``, ``cp_context`` and any other keyword. Inputs that
     require grad record kdagen's autograd node (`kdagen.backward`); ``disable_recompute=True`` keeps the
-    forward's states (one every 64 tokens) for the backward instead of recomputing them, as FLA's keeps its intermediates.
+    forward's states (one every 64 tokens) for the backward instead of recomputing them, as FLA's keeps its
+    intermediates.
     """
     v_first = _state_v_first(state_v_first, kwargs)
     A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
