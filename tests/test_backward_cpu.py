@@ -250,6 +250,10 @@ CASES = [
                                state_layout="vk", beta="logit"), 1, 40, 2, 2, [0, 17, 40], False),
     ("precomputed-no-l2", dict(gate="precomputed", lower_bound=None, safe_gate=False, l2norm_qk=False,
                                beta="logit_x2"), 1, 33, 2, 2, None, True),
+    # Sequences past one run of kept states (64 tokens): a run's state carried through its four tiles, a
+    # second run from the forward's checkpoint, one sequence of exactly one run and a short one after.
+    ("lb-varlen-runs", dict(gate="lower_bound", lower_bound=-5.0, safe_gate=True, l2norm_qk=True),
+     1, 150, 1, 1, [0, 70, 134, 150], True),
 ]
 
 

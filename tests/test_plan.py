@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from kdagen.arch import get_arch
-from kdagen.plan import BWD_GRADS_MIN_REGS, DECODE_STREAM_MAX_STAGES, _prepare_warp_smem, make_plan
+from kdagen.plan import (
+    BWD_GRADS_MIN_REGS,
+    BWD_STATE_TILES,
+    DECODE_STREAM_MAX_STAGES,
+    _prepare_warp_smem,
+    bwd_state_tiles,
+    make_plan,
+)
 from kdagen.spec import KernelSpec
 
 
@@ -250,6 +257,30 @@ def test_bwd_grads_runs_as_many_ctas_as_fit(arch: str, k: int):
     if arch == "sm_90a" and k == 128:
         assert ctas == 4
 
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a"])
+@pytest.mark.parametrize(("k", "v"), [(128, 128), (64, 64), (128, 64), (64, 128)])
+def test_bwd_tile_runs_and_ring_fit_shared_memory(arch: str, k: int, v: int):
+    # bwd_tile takes a run of BWD_STATE_TILES tiles a CTA (the forward keeps a state a run) with its tiles'
+    # rows in a ring that fits a CTA: two deep on sm_90a at K = V = 128, the measured form (two CTAs an SM),
+    # one on sm_89 (99 KB a CTA), and never a deeper ring that costs CTAs an SM.
+    spec = KernelSpec(arch=arch, head_dim_k=k, head_dim_v=v)
+    p = {s.name: s.params for s in make_plan(spec).stages}["bwd_tile"]
+    assert p["state_tiles"] == bwd_state_tiles(spec) == BWD_STATE_TILES == 4
+    warps = min(8, min(k, v) // 16)
+    cap = get_arch(arch).smem_bytes_per_block
+
+    def smem(ring: int) -> int:  # S and dS^T, R and dR, dgt's partial sums, the ring, alignment
+        rows = 2 * 16 * (2 * k + 2 * v + 16) + 4 * k
+        return 2 * (2 * k * v + 2 * 16 * v) + 4 * warps * k + ring * rows + 2048
+
+    assert p["ring"] in (1, 2) and smem(p["ring"]) <= cap
+    ctas = {r: min((cap + 1024) // smem(r), 16 // warps) for r in (1, 2) if smem(r) <= cap}
+    assert ctas[p["ring"]] == max(ctas.values())
+    if arch == "sm_90a" and k == v == 128:
+        assert p["ring"] == 2 and ctas[2] == 2
+    if arch == "sm_89" and k == v == 128:
+        assert p["ring"] == 1
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_100a"])
