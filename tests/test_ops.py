@@ -17,9 +17,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kdagen
 from kdagen import ops
 from kdagen.decode import validate_decode_inputs
+from kdagen.plan import bwd_state_tiles
 from kdagen.reference import kda_recurrent_reference
 from kdagen.runtime import check_scale, state_shape, validate_inputs
 from kdagen.spec import KernelSpec
+from kdagen.workspace import tile_slots
 
 PRE = dict(arch="sm_90a", head_dim_k=64, head_dim_v=64, gate="precomputed", safe_gate=False, lower_bound=None,
            l2norm_qk=False)
@@ -143,6 +145,27 @@ def test_fake_shapes_follow_the_spec(layout: str) -> None:
     assert (tuple(ht.shape), ht.dtype) == (expected, torch.float32)
     assert tuple(o2.shape) == (1, 9, 4, 128)
     assert (tuple(none.shape), none.dtype) == ((0,), torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_fake_forward_train_keeps_a_state_a_run(layout: str) -> None:
+    # recompute=False returns the states the backward reads: one a run of the planner's tiles (64 tokens),
+    # at the run ids' bound, in the MMA type and the state layout; recompute=True an empty tensor.
+    spec = {**LB_VK, "state_layout": layout}
+    sj = ops.spec_json(spec)
+    with FakeTensorMode():
+        q = torch.empty(1, 200, 2, 64, dtype=torch.bfloat16)
+        v = torch.empty(1, 200, 4, 128, dtype=torch.bfloat16)
+        g, beta = torch.empty(1, 200, 4, 64), torch.empty(1, 200, 4, dtype=torch.bfloat16)
+        cu = torch.empty(4, dtype=torch.int32)
+        args = (sj, q, q, v, g, beta, None, None, None, None, True, cu, None)
+        _, _, kept = torch.ops.kdagen.forward_train(*args, False)
+        _, _, none = torch.ops.kdagen.forward_train(*args, True)
+    slots = 200 // 64 + 3 + 1
+    assert slots == tile_slots(200, 3, bwd_state_tiles(KernelSpec(**spec)))
+    assert (tuple(kept.shape), kept.dtype) == ((slots, 4, 64, 128) if layout == "kv" else (slots, 4, 128, 64),
+                                               torch.bfloat16)
+    assert none.numel() == 0
 
 
 def test_fake_batch_gives_n_equal_b() -> None:
