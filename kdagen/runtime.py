@@ -63,6 +63,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from kdagen import workspace
+from kdagen.compile import TENSOR_ALIGN
 from kdagen.dtypes import DTYPES
 from kdagen.errors import InputError
 from kdagen.plan import CHUNK, Plan
@@ -71,7 +72,7 @@ from kdagen.policy import schedule as decide
 from kdagen.spec import KernelSpec
 
 _TORCH_DTYPE = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}
-_ALIGN = 16  # bytes; the stages are compiled for 16-byte aligned tensors
+_ALIGN = TENSOR_ALIGN  # bytes: what the stages are compiled to assume of every tensor
 # TVM-FFI takes the launch stream from torch itself when torch offers the DLPack C exchange API.
 _TORCH_SETS_FFI_STREAM = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 
