@@ -11,7 +11,9 @@ through the run's tiles in fp32 accumulators as the forward does (S' above, one 
 so that the states' bytes, written by the forward and read here, are a span's fraction of a state a tile.
 S (in the MMA type, as the forward wrote it) and each tile's dS (the scan's) are staged in shared memory
 (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the products run on warp MMAs,
-the warps splitting the output columns. The next tile's operands load while the carry runs.
+the warps splitting the output columns. A tile's rows sit in a ring (`ProductsConfig.ring`; of two, the
+next tile's rows load during this one's products), and its dS is requested once the previous tile's last
+product has read the buffer.
 """
 
 from dataclasses import dataclass
