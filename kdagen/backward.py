@@ -97,7 +97,9 @@ def tile_states(
     lengths = (cu[1:] - cu[:-1]).long()
     # Checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
     # final state, no run's start) is skipped.
-    most = max(1, total // run)
+    # A sequence holds at most its length // run checkpoints: the call's T with fixed lengths, else (no
+    # device read of cu_seqlens) all its tokens.
+    most = max(1, (seqlen if cu_seqlens is None else total) // run)
     m = torch.arange(most, device=q.device)
     ck = torch.where(run * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
     idx = torch.arange(nseq, dtype=torch.int32, device=q.device)
