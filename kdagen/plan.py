@@ -10,6 +10,7 @@ from typing import Any
 
 from kdagen.arch import CHUNK
 from kdagen.dtypes import DTYPES, nbytes
+from kdagen.kernels import bwd_tile_shape
 from kdagen.kernels.decode_rows import row_words
 from kdagen.spec import KernelSpec
 
@@ -172,20 +173,14 @@ def bwd_state_tiles(spec: KernelSpec) -> int:
 
 def _bwd_tile_ring(spec: KernelSpec) -> int:
     """Tiles of rows in `bwd_tile`'s ring (2: the next tile's rows load during this one's products, 1: after
-    its carry): the deeper ring unless it costs CTAs an SM (of the 16 warps its registers are capped for) or
-    does not fit a CTA. The CTA holds S and dS^T ([K, V] each), dR and R ([16, V] each), dgt's partial sums
-    (at most a warp's a key) and, a tile of the ring, Kd, Akt, dO, V, Aq and gt, plus the driver's 1 KB
-    (`kdagen.kernels.bwd_tile.run_products`)."""
-    k, v, bt = spec.head_dim_k, spec.head_dim_v, CHUNK
-    warps = min(8, min(k, v) // 16)
+    its carry): the deeper ring unless it costs CTAs an SM (of those its registers are capped for) or does
+    not fit a CTA (`kdagen.kernels.bwd_tile_shape`)."""
+    k, v = spec.head_dim_k, spec.head_dim_v
     cap = spec.arch_info.smem_bytes_per_block
 
-    def smem(ring: int) -> int:
-        rows = 2 * bt * (2 * k + 2 * v + bt) + 4 * k  # a tile's rows and gt
-        return 2 * (2 * k * v + 2 * bt * v) + 4 * warps * k + ring * rows + 2048
-
     def ctas(ring: int) -> int:
-        return min((cap + 1024) // smem(ring), 16 // warps) if smem(ring) <= cap else 0
+        smem = bwd_tile_shape.ring_smem_bytes(k, v, CHUNK, ring)
+        return min((cap + 1024) // smem, bwd_tile_shape.min_ctas(k, v)) if smem <= cap else 0
 
     return 2 if ctas(2) >= max(1, ctas(1)) else 1
 

@@ -5,10 +5,10 @@ step: R = V - Kd S, O = Qd S + Aq R, S' = diag(gt) S + Akt^T R).
 Given the state S entering a tile and the gradient dS of the state leaving it, a tile's gradients of the
 step's operands are dR = Aq^T dO + Akt dS (= dV), dQd = dO S^T, dKd = -dR S^T, dAkt = R dS^T, dAq = dO R^T
 and dgt = the row sums of S * dS; everything after them is the `bwd_grads` stage's
-(`kdagen.kernels.bwd_grads`). One CTA per (run of `ProductsConfig.span` tiles, value head), of up to eight
+(`kdagen.kernels.bwd_grads`). One CTA per (run of tiles, value head; the planner's run length), of up to eight
 warps (`ProductsConfig.warps`): the forward keeps only the state entering each run, and the CTA carries it
 through the run's tiles in fp32 accumulators as the forward does (S' above, one more 16-row product a tile),
-so that the states' bytes, written by the forward and read here, are a span's fraction of a state a tile.
+so that the states' bytes, written by the forward and read here, are a run's fraction of a state a tile.
 S (in the MMA type, as the forward wrote it) and each tile's dS (the scan's) are staged in shared memory
 (dgt sums their products in fp32, as FLA takes it from its bf16 states), and the products run on warp MMAs,
 the warps splitting the output columns. A tile's rows sit in a ring (`ProductsConfig.ring`; of two, the
@@ -23,15 +23,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
+from kdagen.kernels import bwd_tile_shape
 from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
 __all__ = [
-    "MAX_WARPS", "ProductsConfig", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
+    "ProductsConfig", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
     "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c",
 ]
 
-MAX_WARPS = 8  # 16 output columns a warp: two CTAs an SM (shared memory) keep 16 warps busy
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,11 @@ class ProductsConfig:
     bt: int  # tokens per tile
     dtype: Any  # the MMA type (cutlass.BFloat16 or Float16): the tiles, dh, and S as staged
     kv_layout: bool  # h is [slots, HV, K, V] if True, else [slots, HV, V, K]
-    span: int  # tiles a CTA runs through: the states arrive one a run of this many tiles
     ring: int  # tiles of rows staged at once (2: the next tile's load during this one's products)
 
     @property
     def warps(self) -> int:
-        # side by side along an output's columns, 16 each (the narrower head dim sets how many)
-        return min(MAX_WARPS, min(self.k, self.v) // 16)
+        return bwd_tile_shape.warps(self.k, self.v)
 
     @property
     def threads(self) -> int:
@@ -62,10 +60,7 @@ class ProductsConfig:
 
     @property
     def min_ctas(self) -> int:
-        # CTAs an SM the registers are capped for: 16 warps, 128 registers a thread. Uncapped, the carried
-        # state's accumulators take the compiler to ~230 and one CTA an SM, idle while it waits on its loads.
-        return 2 * MAX_WARPS // self.warps
-
+        return bwd_tile_shape.min_ctas(self.k, self.v)
 
 
 def products_mmas(dtype, warps: int):
@@ -80,7 +75,7 @@ def products_mmas(dtype, warps: int):
 @cute.jit
 def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, mDv, mDqd, mDkd, mDakt, mDaq,
                  mDgt, mma_wide, mma1, slot, tile0, hv, t0, rows, tidx, warp_idx, lane):
-    """The run of `cfg.span` tiles from tile id `tile0` (rows t0 .. t0 + rows, at most span * bt) and value
+    """The run of tiles from tile id `tile0` (rows t0 .. t0 + rows, up to the run's length) and value
     head hv, by the CTA's `cfg.threads` threads, from the state entering the run (slot `slot` of mH):
     `mma_wide` is `products_mmas`' many-warp MMA, `mma1` its one-warp MMA."""
     smem = cutlass.memory.SmemAllocator()
