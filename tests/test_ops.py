@@ -129,15 +129,21 @@ def _op_args(spec: dict[str, Any], inp: dict[str, Any], *, initial_state=None, f
 # ---- the fake implementation ------------------------------------------------------------------------------
 
 
+def _lb_vk_fakes(tokens: int, dtype: torch.dtype, beta_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    # LB_VK's inputs (H 2, HV 4, K 64, V 128) for `tokens` tokens in three sequences: (q, v, g, beta, cu),
+    # made under the caller's FakeTensorMode.
+    q = torch.empty(1, tokens, 2, 64, dtype=dtype)
+    v = torch.empty(1, tokens, 4, 128, dtype=dtype)
+    g, beta = torch.empty(1, tokens, 4, 64), torch.empty(1, tokens, 4, dtype=beta_dtype)
+    return q, v, g, beta, torch.empty(4, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_fake_shapes_follow_the_spec(layout: str) -> None:
     spec = {**LB_VK, "state_layout": layout}
     sj = ops.spec_json(spec)
     with FakeTensorMode():
-        q = torch.empty(1, 9, 2, 64, dtype=torch.float16)
-        v = torch.empty(1, 9, 4, 128, dtype=torch.float16)
-        g, beta = torch.empty(1, 9, 4, 64), torch.empty(1, 9, 4)
-        cu = torch.empty(4, dtype=torch.int32)
+        q, v, g, beta, cu = _lb_vk_fakes(9, torch.float16, torch.float32)
         o, ht = torch.ops.kdagen.forward(sj, q, q, v, g, beta, None, None, None, None, True, cu, None)
         o2, none = torch.ops.kdagen.forward(sj, q, q, v, g, beta, None, None, None, None, False, None, None)
     assert (tuple(o.shape), o.dtype) == ((1, 9, 4, 128), torch.float16)
@@ -154,10 +160,7 @@ def test_fake_forward_train_keeps_a_state_a_run(layout: str) -> None:
     spec = {**LB_VK, "state_layout": layout}
     sj = ops.spec_json(spec)
     with FakeTensorMode():
-        q = torch.empty(1, 200, 2, 64, dtype=torch.bfloat16)
-        v = torch.empty(1, 200, 4, 128, dtype=torch.bfloat16)
-        g, beta = torch.empty(1, 200, 4, 64), torch.empty(1, 200, 4, dtype=torch.bfloat16)
-        cu = torch.empty(4, dtype=torch.int32)
+        q, v, g, beta, cu = _lb_vk_fakes(200, torch.bfloat16, torch.bfloat16)
         args = (sj, q, q, v, g, beta, None, None, None, None, True, cu, None)
         _, _, kept = torch.ops.kdagen.forward_train(*args, False)
         _, _, none = torch.ops.kdagen.forward_train(*args, True)
