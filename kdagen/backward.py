@@ -1,6 +1,7 @@
 """The KDA backward of a loaded kernel (kda-math.md §8), run on the current CUDA stream.
 
-Four parts, in order:
+Four parts (prepare's launch first, then the recomputed forward of part 1, which needs none of its
+results):
 1. The state entering every run of `bwd_tile`'s tiles (`tile_states`; 64 tokens, `plan.BWD_STATE_TILES`
    tiles): the kernel's own forward with a checkpoint every run, written in the MMA type into the slot of
    its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's length). Recomputed in the
@@ -49,10 +50,25 @@ class Grads(NamedTuple):
     dh0: torch.Tensor
 
 
-def _offsets(cu_seqlens: torch.Tensor | None, bsz: int, seqlen: int, device: torch.device) -> torch.Tensor:
+def _offsets(kernel: KDAKernel, cu_seqlens: torch.Tensor | None, bsz: int, seqlen: int,
+             device: torch.device) -> torch.Tensor:
+    # Fixed lengths: the forward's own cached offsets (the same key as `KDAKernel._prefill`'s).
     if cu_seqlens is None:
-        return torch.arange(0, bsz * seqlen + 1, seqlen, dtype=torch.int32, device=device)
+        return kernel._cached(("cu", device, bsz, seqlen), lambda: torch.arange(
+            0, bsz * seqlen + 1, seqlen, dtype=torch.int32, device=device))
     return cu_seqlens.to(device=device, dtype=torch.int32)
+
+
+def _run_map(cu: torch.Tensor, most: int, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first run id of every sequence [N] (int64), the slots of its checkpoints [N, most] (int32)):
+    checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
+    final state, no run's start) is skipped (-1)."""
+    nseq = cu.numel() - 1
+    first = (cu[:-1] // run + torch.arange(nseq, device=cu.device, dtype=torch.int32)).long()
+    lengths = (cu[1:] - cu[:-1]).long()
+    m = torch.arange(most, device=cu.device)
+    ck = torch.where(run * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
+    return first, ck.to(torch.int32)
 
 
 def tile_states(
@@ -80,7 +96,7 @@ def tile_states(
     the next run's id; the first run's (the initial state) is copied in after."""
     bsz, seqlen, hv = v.shape[:3]
     total = bsz * seqlen
-    cu = _offsets(cu_seqlens, bsz, seqlen, q.device)
+    cu = _offsets(kernel, cu_seqlens, bsz, seqlen, q.device)
     nseq = cu.numel() - 1
     span = kernel.bwd_state_tiles
     run = CHUNK * span  # tokens a run
@@ -93,26 +109,31 @@ def tile_states(
     sdt = _TORCH_DTYPE[spec.state_dtype]
     pool = (initial_state.to(sdt, copy=True).contiguous() if initial_state is not None
             else torch.zeros(state_shape(spec, nseq, hv), dtype=sdt, device=q.device))
-    first = (cu[:-1] // run + torch.arange(nseq, device=q.device, dtype=torch.int32)).long()
-    lengths = (cu[1:] - cu[:-1]).long()
-    # Checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
-    # final state, no run's start) is skipped.
     # A sequence holds at most its length // run checkpoints: the call's T with fixed lengths, else (no
-    # device read of cu_seqlens) all its tokens.
+    # device read of cu_seqlens) all its tokens. With fixed lengths the map depends on the sizes alone and
+    # is made once (a call's host time is most of a small backward's).
     most = max(1, (seqlen if cu_seqlens is None else total) // run)
-    m = torch.arange(most, device=q.device)
-    ck = torch.where(run * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
-    idx = torch.arange(nseq, dtype=torch.int32, device=q.device)
+    if cu_seqlens is None:
+        first, ck = kernel._cached(("run_map", q.device, bsz, seqlen, run), lambda: _run_map(cu, most, run))
+    else:
+        first, ck = _run_map(cu, most, run)
+    idx = kernel._cached(("seq_ids", q.device, nseq), lambda: torch.arange(
+        nseq, dtype=torch.int32, device=q.device))
     o, _ = kernel._prefill(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=None,
                            output_final_state=False, cu_seqlens=cu_seqlens, policy=policy, state_pool=pool,
                            state_indices=idx, has_initial_state=None, checkpoint_interval=run,
-                           start_positions=None, checkpoint_indices=ck.to(torch.int32), out=None,
+                           start_positions=None, checkpoint_indices=ck, out=None,
                            tile_states=states)
     if initial_state is not None:
         states.index_copy_(0, first, initial_state.to(dt))
     else:
         states.index_fill_(0, first, 0.0)
     return o, pool, states
+
+
+def _mats(ws: workspace.Workspace, hv: int, device: torch.device) -> torch.Tensor:
+    # Every tile's Mqk and Akk from prepare (bwd_prepare), for bwd_grads: lower triangles, the rest unread.
+    return torch.empty((ws.tile_slots, hv, 2, CHUNK, CHUNK), dtype=torch.float32, device=device)
 
 
 def run_backward(
@@ -142,14 +163,8 @@ def run_backward(
     total = bsz * seqlen
     device = q.device
     scale = check_scale(scale, kdim)
-    cu = _offsets(cu_seqlens, bsz, seqlen, device)
+    cu = _offsets(kernel, cu_seqlens, bsz, seqlen, device)
     nseq = cu.numel() - 1
-    if states is None:
-        _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                                   initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
-                                   zero_unused=False)
-
-    # ---- the reverse scan: dS leaving every tile, dh0 ----
     dt = _TORCH_DTYPE[spec.dtype]
     ws = workspace.layout(total, hv, nseq, kdim, dt.itemsize)
     buf = torch.empty((ws.size // workspace.ROW, workspace.ROW), dtype=torch.uint8, device=device)
@@ -157,6 +172,19 @@ def run_backward(
     compact = [t.contiguous() for t in (q, k, g, beta)]
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     sms = kernel._sm_count(device)
+    # Prepare first: the GPU starts on it while the host sets up the forward that recomputes the states
+    # (which needs none of prepare's results), and that forward's workspace is gone before the products'
+    # buffers below are allocated.
+    mats = _mats(ws, hv, device)
+    with kernel._stream_scope(device):
+        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
+                                                        mats=mats)
+    if states is None:
+        _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                   initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
+                                   zero_unused=False)
+
+    # ---- the reverse scan: dS leaving every tile, dh0 ----
     # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read. In
     # the MMA type, as bwd_tile stages it: the same operands as an fp32 dh, half the bytes.
     dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=dt, device=device)
@@ -171,8 +199,6 @@ def run_backward(
              for name, d in (("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
     dv = torch.empty((total, hv, vdim), dtype=dt, device=device)  # v's dtype is the MMA type
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
-    # Every tile's Mqk and Akk from prepare (bwd_prepare), for bwd_grads: lower triangles, the rest unread.
-    mats = torch.empty((ws.tile_slots, hv, 2, CHUNK, CHUNK), dtype=f32, device=device)
     # bwd_grads writes the gradients of the inputs as given (q and k through the l2norm and the GVA sum, g
     # through the gate, beta through its transform); the gate's parameters get per-tile partial sums.
     dq = torch.empty((total, nh, kdim), dtype=q.dtype, device=device)
@@ -185,8 +211,6 @@ def run_backward(
                            for _ in range(2))
     q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
-        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
-                                                        mats=mats)
         kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
                                  policy)
         kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, gt, cu_c, states, dh,

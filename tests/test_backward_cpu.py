@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kdagen
 from kdagen import ops
@@ -47,6 +48,7 @@ class EmuKernel:
         self.scans = 0
         self.segmented = 0  # reverse scans run in CP segments
         self.bwd_state_tiles = bwd_state_tiles(spec)  # as KDAKernel's: tiles a run of the kept states
+        self._dummies: dict[tuple, torch.Tensor] = {}
 
     def _opts(self) -> dict[str, Any]:
         s = self.spec
@@ -103,6 +105,12 @@ class EmuKernel:
 
     def _sm_count(self, device):
         return 1
+
+    def _cached(self, key, make):
+        # as KDAKernel's: constant helper tensors made once a key
+        if key not in self._dummies:
+            self._dummies[key] = make()
+        return self._dummies[key]
 
     def _stream_scope(self, device):
         return contextlib.nullcontext()
@@ -319,6 +327,34 @@ def _check_gradients(case: tuple, recompute: bool, policy: SchedulePolicy | None
         bound = 3e-2 if n == "A_log" else 5e-3
         assert rel_rmse(want, got.double()) < bound, (n, rel_rmse(want, got.double()))
     return kern
+
+
+class _PassThrough(TorchDispatchMode):
+    # A dispatch mode that changes nothing: what make_fx and torch.compile's tracing set up around a call.
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_eager_form_and_the_ops_give_the_same_gradients(emu: dict) -> None:
+    # Plain tensors take `_EagerTrain` (no op dispatch); under a dispatch mode the kdagen::forward_train and
+    # kdagen::backward ops run. Both run the same functions, so the gradients are bitwise equal.
+    _, fields, B, T, H, HV, cu, init = CASES[2]
+    spec, x = _case(fields, B, T, H, HV, cu, init)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    kern = kdagen.get_kernel(spec)
+    nodes, grads = [], []
+    for mode in (contextlib.nullcontext(), _PassThrough()):
+        leaves = {n: x[n].clone().requires_grad_() for n in GRADS if x.get(n) is not None}
+        with mode:
+            o, ht = kern(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                         A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"),
+                         initial_state=leaves.get("initial_state"), output_final_state=True, cu_seqlens=cu_t)
+            (o.float().square().sum() + ht.square().sum()).backward()
+        nodes.append(type(o.grad_fn).__name__)
+        grads.append({n: t.grad for n, t in leaves.items()})
+    assert nodes[0] == "_EagerTrainBackward" and nodes[1] != nodes[0], nodes
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
 
 
 def test_only_the_final_state_carries_a_gradient(emu: dict) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kdagen
 from kdagen import ops
@@ -267,11 +268,22 @@ def test_compile_fullgraph(kernels: dict[str, FakeKernel], form: str) -> None:
 # ---- autograd ---------------------------------------------------------------------------------------------
 
 
+class _PassThrough(TorchDispatchMode):
+    # A dispatch mode that changes nothing: what make_fx and torch.compile's tracing set up around a call.
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def test_requires_grad_records_the_autograd_node(kernels: dict[str, FakeKernel]) -> None:
     # (tests/test_backward_cpu.py runs the backward itself on an emulated kernel.)
     inp = _inputs(PRE)
     inp["v"] = inp["v"].clone().requires_grad_()
     o, _ = ops.kda_forward(PRE, **inp)
+    # Plain tensors take the eager form of the op (the same forward and autograd formula, no dispatch) ...
+    assert o.requires_grad and type(o.grad_fn).__name__ == "_EagerTrainBackward"
+    # ... and under a dispatch mode (what tracing sets up) the op itself.
+    with _PassThrough():
+        o, _ = ops.kda_forward(PRE, **inp)
     assert o.requires_grad and "forward_train" in type(o.grad_fn).__name__.lower() + str(o.grad_fn)
     o2, _ = torch.ops.kdagen.forward(*_op_args(PRE, inp))  # the op called directly records it too
     assert o2.requires_grad
