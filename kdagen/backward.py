@@ -25,6 +25,7 @@ Gradients come back in the inputs' dtypes: dq, dk, dv, dg (of the raw gate input
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -98,37 +99,85 @@ def tile_states(
     total = bsz * seqlen
     cu = _offsets(kernel, cu_seqlens, bsz, seqlen, q.device)
     nseq = cu.numel() - 1
-    span = kernel.bwd_state_tiles
-    run = CHUNK * span  # tokens a run
-    slots = workspace.tile_slots(total, nseq, span)
-    spec = kernel.spec
-    dt = _TORCH_DTYPE[spec.dtype]
-    shape = state_shape(spec, slots, hv)
-    states = torch.zeros(shape, dtype=dt, device=q.device) if zero_unused else torch.empty(
-        shape, dtype=dt, device=q.device)
-    sdt = _TORCH_DTYPE[spec.state_dtype]
+    states = _new_states(kernel, total, nseq, hv, q.device, zero_unused)
+    sdt = _TORCH_DTYPE[kernel.spec.state_dtype]
     pool = (initial_state.to(sdt, copy=True).contiguous() if initial_state is not None
-            else torch.zeros(state_shape(spec, nseq, hv), dtype=sdt, device=q.device))
-    # A sequence holds at most its length // run checkpoints: the call's T with fixed lengths, else (no
-    # device read of cu_seqlens) all its tokens. With fixed lengths the map depends on the sizes alone and
-    # is made once (a call's host time is most of a small backward's).
-    most = max(1, (seqlen if cu_seqlens is None else total) // run)
-    if cu_seqlens is None:
-        first, ck = kernel._cached(("run_map", q.device, bsz, seqlen, run), lambda: _run_map(cu, most, run))
-    else:
-        first, ck = _run_map(cu, most, run)
+            else torch.zeros(state_shape(kernel.spec, nseq, hv), dtype=sdt, device=q.device))
+    first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
     idx = kernel._cached(("seq_ids", q.device, nseq), lambda: torch.arange(
         nseq, dtype=torch.int32, device=q.device))
     o, _ = kernel._prefill(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=None,
                            output_final_state=False, cu_seqlens=cu_seqlens, policy=policy, state_pool=pool,
-                           state_indices=idx, has_initial_state=None, checkpoint_interval=run,
-                           start_positions=None, checkpoint_indices=ck, out=None,
-                           tile_states=states)
+                           state_indices=idx, has_initial_state=None,
+                           checkpoint_interval=CHUNK * kernel.bwd_state_tiles, start_positions=None,
+                           checkpoint_indices=ck, out=None, tile_states=states)
+    _first_states(states, first, initial_state)
+    return o, pool, states
+
+
+def _new_states(kernel: KDAKernel, total: int, nseq: int, hv: int, device: torch.device,
+                zero_unused: bool) -> torch.Tensor:
+    # The kept states' buffer: a slot a run id, in the spec's state layout and its MMA type.
+    slots = workspace.tile_slots(total, nseq, kernel.bwd_state_tiles)
+    shape = state_shape(kernel.spec, slots, hv)
+    dt = _TORCH_DTYPE[kernel.spec.dtype]
+    return (torch.zeros if zero_unused else torch.empty)(shape, dtype=dt, device=device)
+
+
+def _run_slots(kernel: KDAKernel, cu: torch.Tensor, fixed: bool, bsz: int,
+               seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # `_run_map` of the call. A sequence holds at most its length // run checkpoints: the call's T with
+    # fixed lengths, else (no device read of cu_seqlens) all its tokens. With fixed lengths the map depends
+    # on the sizes alone and is made once (a call's host time is most of a small backward's).
+    run = CHUNK * kernel.bwd_state_tiles
+    most = max(1, (seqlen if fixed else bsz * seqlen) // run)
+    if fixed:
+        return kernel._cached(("run_map", cu.device, bsz, seqlen, run), lambda: _run_map(cu, most, run))
+    return _run_map(cu, most, run)
+
+
+def _first_states(states: torch.Tensor, first: torch.Tensor, initial_state: torch.Tensor | None) -> None:
+    # The state entering each sequence's first run is its initial state (zero when None): no checkpoint
+    # writes it.
     if initial_state is not None:
-        states.index_copy_(0, first, initial_state.to(dt))
+        states.index_copy_(0, first, initial_state.to(states.dtype))
     else:
         states.index_fill_(0, first, 0.0)
-    return o, pool, states
+
+
+def _states_beside_scan(kernel: KDAKernel, nseq: int, total: int, hv: int, device: torch.device,
+                        policy: object) -> bool:
+    # The recomputed states come from the recurrence alone (`bwd_states`, beside the reverse scan) where the
+    # variant has the stage and the forward's schedule runs whole sequences; where it splits them (intra-card
+    # CP: few long sequences, whose serial chains alone would leave most SMs idle) the forward itself reruns.
+    if kernel._bwd_states is None:
+        return False
+    return kernel._schedule(nseq, total, hv, kernel._sm_count(device), policy).seg_len is None
+
+
+class _SideStream:
+    """A second stream forked from the current one (`with` makes it current), joined back by `join`; on a
+    CPU device (the backward's emulation) both are no-ops. Tensors it uses are the caller's, alive until
+    after the join."""
+
+    def __init__(self, kernel: KDAKernel, device: torch.device) -> None:
+        self._main = self._side = None
+        if device.type == "cuda":
+            self._main = torch.cuda.current_stream(device)
+            self._side = kernel._cached(("side stream", device), lambda: torch.cuda.Stream(device))
+            self._side.wait_stream(self._main)
+
+    def __enter__(self) -> _SideStream:
+        self._ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+    def join(self) -> None:
+        if self._main is not None:
+            self._main.wait_stream(self._side)
 
 
 def _mats(ws: workspace.Workspace, hv: int, device: torch.device) -> torch.Tensor:
@@ -179,7 +228,19 @@ def run_backward(
     with kernel._stream_scope(device):
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
                                                         mats=mats)
-    if states is None:
+    v_c = v.contiguous().view(total, hv, vdim)
+    side = None
+    if states is None and _states_beside_scan(kernel, nseq, total, hv, device, policy):
+        # The recurrence alone on prepare's tiles, on a second stream beside the reverse scan: both read
+        # only prepare's tiles, and bwd_tile waits for both.
+        states = _new_states(kernel, total, nseq, hv, device, zero_unused=False)
+        first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
+        h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
+        side = _SideStream(kernel, device)
+        with side:
+            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states)
+            _first_states(states, first, initial_state)
+    elif states is None:
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                    initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
                                    zero_unused=False)
@@ -213,7 +274,9 @@ def run_backward(
     with kernel._stream_scope(device):
         kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
                                  policy)
-        kernel._bwd_tile(kd, akt, aq, v.contiguous().view(total, hv, vdim), do_arg, gt, cu_c, states, dh,
+        if side is not None:
+            side.join()
+        kernel._bwd_tile(kd, akt, aq, v_c, do_arg, gt, cu_c, states, dh,
                          dv, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()
         kernel._bwd_grads(q_c.view(total, nh, kdim), k_c.view(total, nh, kdim), g_c.view(total, hv, kdim),

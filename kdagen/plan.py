@@ -516,6 +516,13 @@ def make_plan(spec: KernelSpec) -> Plan:
         "bwd_scan", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "seq"},
         note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
     )
+    # The states entering bwd_tile's runs, recomputed by the variant's recurrence alone on bwd_prepare's tiles
+    # (templates/common/bwd_states.py.j2), beside the reverse scan.
+    bwd_states = StagePlan(
+        "bwd_states", "common/bwd_states.py.j2", {**common},
+        note=f"backward: the recurrence alone on bwd_prepare's tiles, keeping the state entering every "
+             f"{bwd_state_tiles(spec) * CHUNK} tokens, beside the reverse scan",
+    )
     # Its intra-card CP, when the forward's schedule splits the sequences into segments (the scan's serial
     # chain is the forward's, step for step): each segment's map of the gradient, the maps combined last
     # segment to first (the forward's merge walking backward, from the final states' fp32 gradient), and each
@@ -560,5 +567,5 @@ def make_plan(spec: KernelSpec) -> Plan:
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, *decode_stream,
-              bwd_prepare, bwd_scan, bwd_prescan, bwd_merge, bwd_segments, bwd_tile, bwd_grads)
+              bwd_prepare, bwd_states, bwd_scan, bwd_prescan, bwd_merge, bwd_segments, bwd_tile, bwd_grads)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -590,6 +590,7 @@ class KDAKernel:
         self._decode_stream = stages.get("decode_stream")  # the same, streamed by a persistent grid
         self._bwd_prepare = stages.get("bwd_prepare")  # prepare, also writing the tiles' Mqk and Akk
         self._bwd_scan = stages.get("bwd_scan")  # the backward's reverse state scan (kdagen.backward)
+        self._bwd_states = stages.get("bwd_states")  # the recurrence alone on its tiles: the kept states
         # and its intra-card CP: the segments' maps, their merge last to first, the segment pass
         self._bwd_cp = tuple(stages.get(f"bwd_cp_{part}") for part in ("prescan", "merge", "segments"))
         self._bwd_tile = stages.get("bwd_tile")  # the backward's products with the states, a tile at a time
@@ -803,6 +804,33 @@ class KDAKernel:
         else:
             self._bwd_prepare(*inputs, mats, float(scale), prepare_ctas, 0)
         return kd, qd, akt, aq, gt, cu
+
+    def _run_states(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
+                    gt: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, ws: workspace.Workspace,
+                    buf: torch.Tensor, initial_state: torch.Tensor | None, checkpoints: torch.Tensor,
+                    states: torch.Tensor) -> None:
+        """The backward's kept states from prepare's tiles (after `_run_prepare` into `ws` / `buf`, whose
+        ready flags it has raised): the recurrence alone (`bwd_states`) from each sequence's initial state
+        (zero when None), with a checkpoint every run of bwd_tile's tiles into `states` at the slots
+        `checkpoints` ([N, M], negative: skip). o is written to a scratch tensor. On the current stream."""
+        total, hv, _ = kd.shape
+        nseq = cu.numel() - 1
+        device = kd.device
+        ready = _carve(buf.view(-1), ws.ready, torch.int32, (ws.tile_slots, hv))
+        # No ranking (by_length 0) and the two-stage path's mode word (0) in order[N].
+        order = self._cached(("order", device, nseq), lambda: torch.zeros(nseq + 1, dtype=torch.int32,
+                                                                           device=device))
+        unused = self._cached(("state", device, hv), lambda: torch.zeros(
+            self._state_shape(1, hv), dtype=self._state_dtype, device=device))
+        h0 = _prepared(initial_state) if initial_state is not None else unused
+        idx, init = self._no_pool(device)
+        start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        o = torch.empty((total, hv, v.shape[-1]), dtype=_TORCH_DTYPE[self.spec.dtype], device=device)
+        with self._stream_scope(device):
+            has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 1, 0
+            self._bwd_states(kd, qd, akt, aq, gt, v, cu, ready, order, h0, unused, idx, init, start,
+                             checkpoints, states, has_h0, store_ht, pooled, self.bwd_state_tiles, to_tiles, o,
+                             by_length)
 
     def _run_reverse_scan(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
                           gt: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, dht: torch.Tensor,

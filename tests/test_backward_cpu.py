@@ -11,6 +11,7 @@ gate modes, GVA, varlen with partial tiles, both state layouts and beta modes.""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from kdagen.reference import (
     make_inputs,
     rel_rmse,
 )
-from kdagen.runtime import check_scale
+from kdagen.runtime import check_scale, state_shape
 from kdagen.spec import KernelSpec
 from kdagen.tile_grads import input_grads
 
@@ -49,6 +50,9 @@ class EmuKernel:
         self.segmented = 0  # reverse scans run in CP segments
         self.bwd_state_tiles = bwd_state_tiles(spec)  # as KDAKernel's: tiles a run of the kept states
         self._dummies: dict[tuple, torch.Tensor] = {}
+        self._bwd_states = True  # the stage exists: `_run_states` below
+        self._state_dtype = torch.float32
+        self.states_runs = 0  # recomputed states from prepare's tiles (`_run_states`)
 
     def _opts(self) -> dict[str, Any]:
         s = self.spec
@@ -105,6 +109,23 @@ class EmuKernel:
 
     def _sm_count(self, device):
         return 1
+
+    def _schedule(self, nseq, total, hv, sms, policy):
+        # as KDAKernel's where it matters here: segments only where a policy forces intra-card CP
+        seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
+        return SimpleNamespace(seg_len=seg)
+
+    def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, checkpoints, states):
+        # As KDAKernel's (bwd_states): the recurrence from each sequence's initial state with a checkpoint
+        # every run into `states`, here the emulated forward on the inputs of the forward run last.
+        x, nseq = self.last, cu.numel() - 1
+        pool = (initial_state.clone() if initial_state is not None
+                else torch.zeros(state_shape(self.spec, nseq, v.shape[1])))
+        self.states_runs += 1
+        self._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], A_log=x["A_log"],
+                      dt_bias=x["dt_bias"], cu_seqlens=x["cu_seqlens"], state_pool=pool,
+                      state_indices=torch.arange(nseq, dtype=torch.int32), checkpoint_indices=checkpoints,
+                      checkpoint_interval=16 * self.bwd_state_tiles, tile_states=states)
 
     def _cached(self, key, make):
         # as KDAKernel's: constant helper tensors made once a key
@@ -309,6 +330,8 @@ def _check_gradients(case: tuple, recompute: bool, policy: SchedulePolicy | None
     dht = torch.randn(ht.shape, generator=gen)
     torch.autograd.backward((o, ht), (do, dht))
     assert kern.scans == 1 and ht.shape[0] == nseq
+    # Recomputed states come from prepare's tiles beside the scan, or from the forward where CP splits.
+    assert kern.states_runs == (1 if recompute and policy is None else 0)
 
     ref = {n: x[n].double().clone().requires_grad_() for n in names}
     o_r, ht_r = kda_reference_autograd(

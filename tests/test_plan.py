@@ -38,6 +38,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "decode": "common/decode.py.j2",
         "decode_stream": "common/decode_stream.py.j2",
         "bwd_prepare": "mma_sync/bwd_prepare.py.j2",
+        "bwd_states": "common/bwd_states.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
         "bwd_cp_prescan": "mma_sync/bwd_scan.py.j2",
         "bwd_cp_merge": "mma_sync/cp_merge.py.j2",
@@ -72,6 +73,7 @@ def test_other_targets_are_mma_sync(arch: str):
     stream = templates.pop("decode_stream", None)
     assert stream == ("common/decode_stream.py.j2" if arch == "sm_100a" else None)
     assert templates.pop("bwd_grads") == "common/bwd_grads.py.j2"
+    assert templates.pop("bwd_states") == "common/bwd_states.py.j2"  # an entry over the recurrence
     assert all(t.startswith("mma_sync/") for t in templates.values())
 
 
@@ -85,8 +87,8 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
     stream = ["decode_stream"] if arch == "sm_90a" else []
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
-                                *stream, "bwd_prepare", "bwd_scan", "bwd_cp_prescan", "bwd_cp_merge",
-                                "bwd_cp_segments", "bwd_tile", "bwd_grads"]
+                                *stream, "bwd_prepare", "bwd_states", "bwd_scan", "bwd_cp_prescan",
+                                "bwd_cp_merge", "bwd_cp_segments", "bwd_tile", "bwd_grads"]
 
 
 @pytest.mark.parametrize(
