@@ -185,20 +185,6 @@ def _bwd_tile_ring(spec: KernelSpec) -> int:
     return 2 if ctas(2) >= max(1, ctas(1)) else 1
 
 
-def _bwd_scan_ctas(family: str, block_v: int) -> int:
-    """CTAs an SM the reverse scan's registers are capped for: the fewest whose cap lets two scan CTAs and one
-    CTA of the recurrence that recomputes the states (`bwd_states`, launched beside it) share an SM's register
-    file. Uncapped the scan takes 230 registers (sm_90a, K = 128), and two of its CTAs leave no room for
-    the recurrence; at 128 ptxas spills 60 bytes."""
-    warps, regs = _RECURRENCE_CTA[family]
-    threads = block_v // 16 * 32
-    cap = (_SM_REGS - warps * 32 * regs) // (2 * threads) // 8 * 8
-    ctas = 1
-    while _SM_REGS // (ctas * threads) // 8 * 8 > cap:
-        ctas += 1
-    return ctas
-
-
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
     """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (five [16, K + 1]
     fp32 tiles, ten [16, 17] fp32 matrices, beta, the row sums' warp sums and totals and the norms, plus the
@@ -237,7 +223,6 @@ _RECURRENCE_CTA = {"mma_sync": (4, 168), "wgmma": (5, 144)}  # (warps, registers
 # A CTA's warps are spread over an SM's four sub-partitions and take their registers from that sub-partition's
 # file (16384 of them), so what must fit is the busiest sub-partition, not the SM total.
 _SUBPARTITIONS, _SUBPARTITION_REGS = 4, 16384
-_SM_REGS = _SUBPARTITIONS * _SUBPARTITION_REGS
 
 
 def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
@@ -528,8 +513,7 @@ def make_plan(spec: KernelSpec) -> Plan:
     # The backward's reverse state scan (templates/mma_sync/bwd_scan.py.j2): the forward recurrence's shape
     # run last step to first on prepare's tiles and dO, in every family (it has the recurrence's products).
     bwd_scan = StagePlan(
-        "bwd_scan", f"{shared}/bwd_scan.py.j2",
-        {**rec_params, "mode": "seq", "min_ctas": _bwd_scan_ctas(family, block_v)},
+        "bwd_scan", f"{shared}/bwd_scan.py.j2", {**rec_params, "mode": "seq"},
         note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
     )
     # The states entering bwd_tile's runs, recomputed by the variant's recurrence alone on bwd_prepare's tiles
