@@ -509,7 +509,14 @@ def footer_text(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{_fmt(geo['bwd_speedup'], '.3f')}x; median of {meta['iters']} (warmup {meta['warmup']}), "
             f"median of {meta['rounds']} alternating rounds; bwd: backward alone after an untimed forward; "
             f"{meta['fla']}, torch {meta['torch']}; dq ... dh0: relative RMSE of kdagen's gradients against "
-            f"FLA's (first call)")
+            f"FLA's (first call)" + _partial(meta))
+
+
+def _partial(meta: dict[str, Any]) -> str:
+    done, planned = meta.get("configs_done"), meta.get("configs_planned")
+    if done is None or planned is None or done >= planned:
+        return ""
+    return f"; partial: the run ended after {done} of its {planned} configs"
 
 
 def markdown(rows: list[dict[str, Any]], title: str, footer: str) -> str:
@@ -595,6 +602,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def result_meta(now: dt.datetime, card: Any, fla_note: str, target: TrainTarget, args: argparse.Namespace,
+                rows: list[dict[str, Any]], planned: int) -> dict[str, Any]:
+    """The result file's meta: the run's setup, the headline geomeans and targets of `rows`, and how many of
+    the `planned` configs they are (a run cut short leaves a file of the configs it finished)."""
+    return {
+        "date": now.isoformat(timespec="seconds"), "card": asdict(card), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "fla": fla_note, "FLA_USE_FAST_OPS": os.environ.get("FLA_USE_FAST_OPS"),
+        "kdagen_spec": target.info or target.spec_arg, "spec_arg": args.spec, "kdagen_error": target.error,
+        "recompute": target.recompute, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+        "fla_options": target.problem.fla_kwargs(), "seed": bench_fwd.SEED,
+        "headline_geomean_speedup": bench_fwd.geomean([s for _, s in headline_speedups(rows, "speedup")]),
+        "headline_geomean_bwd_speedup": bench_fwd.geomean(
+            [s for _, s in headline_speedups(rows, "bwd_speedup")]),
+        "targets": target_lines(rows),
+        "configs_done": len(rows), "configs_planned": planned,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.md_from is not None:
@@ -630,32 +655,24 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(warm.values(), args.warmup_s)
         del inp, warm
         torch.cuda.empty_cache()
-    rows = []
+    now = dt.datetime.now()
+    json_path = args.json or REPO_ROOT / "benchmarks" / "out" / f"{card.slug}-bwd-{now:%Y-%m-%d}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
     for i, cfg in enumerate(configs, 1):
         row = run_config(cfg, args, fla, target)
         rows.append(row)
         print(f"[{i}/{len(configs)}] {cfg.name}: fwd+bwd FLA {_fmt(row.get('fla_step_ms'))} ms, kdagen "
               f"{_fmt(row.get('kdagen_step_ms'))} ms; bwd FLA {_fmt(row.get('fla_bwd_ms'))} ms, kdagen "
               f"{_fmt(row.get('kdagen_bwd_ms'))} ms", flush=True)
+        # Written after every config, so that a run cut short (a time limit) keeps the configs it finished.
+        meta = result_meta(now, card, fla_note, target, args, rows, len(configs))
+        json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
-    now = dt.datetime.now()
-    meta = {
-        "date": now.isoformat(timespec="seconds"), "card": asdict(card), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "fla": fla_note, "FLA_USE_FAST_OPS": os.environ.get("FLA_USE_FAST_OPS"),
-        "kdagen_spec": target.info or target.spec_arg, "spec_arg": args.spec, "kdagen_error": target.error,
-        "recompute": target.recompute, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-        "fla_options": target.problem.fla_kwargs(), "seed": bench_fwd.SEED,
-        "headline_geomean_speedup": bench_fwd.geomean([s for _, s in headline_speedups(rows, "speedup")]),
-        "headline_geomean_bwd_speedup": bench_fwd.geomean(
-            [s for _, s in headline_speedups(rows, "bwd_speedup")]),
-        "targets": target_lines(rows),
-    }
+    meta = result_meta(now, card, fla_note, target, args, rows, len(configs))
     title = _title(card.name, now.strftime("%Y-%m-%d"), args.spec, target.recompute)
     footer = footer_text(meta, rows)
     print_table(rows, title, footer)
-
-    json_path = args.json or REPO_ROOT / "benchmarks" / "out" / f"{card.slug}-bwd-{now:%Y-%m-%d}.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {json_path}")
     print(bench_fwd.write_png(rows, args.png or json_path.with_suffix(".png"), f"{title}\n{footer}"))

@@ -187,6 +187,19 @@ def test_markdown_from_a_result_json(tmp_path):
     assert "- N10-T4096-uniform: kdagen: ValueError: bad" in text
 
 
+def test_a_partial_result_says_how_far_it_got(tmp_path):
+    # The JSON is written after every config; a run cut short leaves the configs it finished, marked.
+    meta = {"date": "2026-01-02T03:04:05", "card": {"name": "H200"}, "spec_arg": None, "recompute": True,
+            "iters": 5, "warmup": 3, "rounds": 1, "fla": "FLA 0.6.0", "torch": "2.x", "configs_done": 1,
+            "configs_planned": 29}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"meta": meta, "rows": [_row("B1-T512", "fixed", 2.5, 2.0)]}))
+    bench_bwd.markdown_from_json(path)
+    assert "; partial: the run ended after 1 of its 29 configs" in (tmp_path / "run.md").read_text()
+    meta["configs_done"] = 29
+    assert "partial" not in bench_bwd.footer_text(meta, [])
+
+
 def test_kernel_times_rank_gpu_kernels_by_name():
     def ev(key: str, us: float, count: int = 1, device_type: str = "DeviceType.CUDA") -> SimpleNamespace:
         return SimpleNamespace(key=key, device_time_total=us, count=count, device_type=device_type)
