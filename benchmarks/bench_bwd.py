@@ -544,7 +544,10 @@ def markdown_from_json(path: Path) -> str:
     meta, rows = data["meta"], data["rows"]
     title = _title(meta["card"]["name"], meta["date"][:10], meta.get("spec_arg"), meta.get("recompute", True))
     out = path.with_suffix(".md")
-    out.write_text(markdown(rows, title, footer_text(meta, rows)))
+    text = markdown(rows, title, footer_text(meta, rows))
+    if meta.get("source"):  # how a file not written by the run itself was made
+        text += f"\nSource: {meta['source']}.\n"
+    out.write_text(text)
     return f"wrote {out}"
 
 

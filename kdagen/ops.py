@@ -43,7 +43,9 @@ num_accepted_tokens, has_initial_state, update_state, cu_seqlens, out) -> o``
   dh0)`` is `kdagen.backward.run_backward` (an absent gradient is an empty tensor). Both ``forward_train``
   and ``forward`` carry `register_autograd` formulas that call ``backward``, so `torch.compile` traces a
   training step with no graph break and the backward is one opaque node too. `kda_forward` routes a call
-  whose inputs require grad (grad mode on) to ``forward_train``; the pool form and ``out`` have no backward
+  whose inputs require grad (grad mode on) to ``forward_train``, or, where nothing traces (`_eager`), to
+  `_EagerTrain`, an autograd function with the op's own forward, context and backward that skips the ops'
+  dispatch (host time); the pool form and ``out`` have no backward
   and refuse such inputs with the runtime's `InputError`, as `kda_decode` does. ``decode`` mutates its
   arguments, and torch takes no autograd formula for such an op: called directly it runs (torch runs it
   with grad mode off, so its checks cannot tell), and a backward through its o raises torch's error for an
