@@ -150,7 +150,7 @@ def _states_beside_scan(kernel: KDAKernel, nseq: int, total: int, hv: int, devic
     # The recomputed states come from the recurrence alone (`bwd_states`, beside the reverse scan) where the
     # variant has the stage and the forward's schedule runs whole sequences; where it splits them (intra-card
     # CP: few long sequences, whose serial chains alone would leave most SMs idle) the forward itself reruns.
-    if kernel._bwd_states is None:
+    if kernel._bwd_states is None or total == 0 or nseq == 0:  # (an empty call: the forward's early return)
         return False
     return kernel._schedule(nseq, total, hv, kernel._sm_count(device), policy).seg_len is None
 
