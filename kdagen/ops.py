@@ -218,27 +218,6 @@ def _forward_fake(
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
-@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
-def _forward_train(
-    spec_json: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: torch.Tensor | None,
-    policy_json: str | None,
-    recompute: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _train_forward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, initial_state,
-                          output_final_state, cu_seqlens, policy_json, recompute)
-
-
 def _train_forward(
     spec_json: str,
     q: torch.Tensor,
@@ -255,7 +234,7 @@ def _train_forward(
     policy_json: str | None,
     recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # `kdagen::forward_train`, called by the op and by the eager path (`_EagerTrain`).
+    # `kdagen::forward_train` (registered below), also called directly by the eager path (`_EagerTrain`).
     kernel = _kernel(spec_json)
     if recompute:
         o, ht = kernel(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
@@ -268,6 +247,9 @@ def _train_forward(
                                 initial_state=initial_state, cu_seqlens=cu_seqlens,
                                 policy=_policy(policy_json))
     return o, (ht if output_final_state else _absent(q, torch.float32)), states
+
+
+_forward_train = torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())(_train_forward)
 
 
 @_forward_train.register_fake
@@ -363,8 +345,7 @@ class _EagerTrain(torch.autograd.Function):
         return _backward(ctx, do, dht)
 
 
-@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
-def _backward_op(
+def _run_backward(
     spec_json: str,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -382,28 +363,7 @@ def _backward_op(
     dht: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    return _run_backward(spec_json, q, k, v, g, beta, scale, A_log, dt_bias, initial_state, cu_seqlens,
-                         policy_json, states, do, dht)
-
-
-def _run_backward(
-    spec_json: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    policy_json: str | None,
-    states: torch.Tensor | None,
-    do: torch.Tensor | None,
-    dht: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    # `kdagen::backward`, called by the op and directly on the eager path.
+    # `kdagen::backward` (registered below), also called directly on the eager path.
     from kdagen.backward import run_backward
 
     r = run_backward(_kernel(spec_json), q, k, v, g, beta, do, dht=dht, scale=scale, A_log=A_log,
@@ -412,6 +372,9 @@ def _run_backward(
     # (An absent gradient is an empty tensor of its own: returns may not alias one another.)
     return (r.dq, r.dk, r.dv, r.dg, r.dbeta, r.dA_log if r.dA_log is not None else _absent(q, torch.float32),
             r.ddt_bias if r.ddt_bias is not None else _absent(q, torch.float32), r.dh0)
+
+
+_backward_op = torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())(_run_backward)
 
 
 @_backward_op.register_fake
