@@ -229,6 +229,7 @@ def run_backward(
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
                                                         mats=mats)
     v_c = v.contiguous().view(total, hv, vdim)
+    dv = torch.empty((total, hv, vdim), dtype=dt, device=device)  # v's dtype is the MMA type
     side = None
     if states is None and _states_beside_scan(kernel, nseq, total, hv, device, policy):
         # The recurrence alone on prepare's tiles, on a second stream beside the reverse scan: both read
@@ -238,7 +239,8 @@ def run_backward(
         h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
         side = _SideStream(kernel, device)
         with side:
-            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states)
+            # (its o goes to dv, which bwd_tile writes after the join)
+            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states, dv)
             _first_states(states, first, initial_state)
     elif states is None:
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
@@ -258,7 +260,6 @@ def run_backward(
     f32 = torch.float32
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
              for name, d in (("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
-    dv = torch.empty((total, hv, vdim), dtype=dt, device=device)  # v's dtype is the MMA type
     dgt = torch.empty((ws.tile_slots, hv, kdim), dtype=f32, device=device)
     # bwd_grads writes the gradients of the inputs as given (q and k through the l2norm and the GVA sum, g
     # through the gate, beta through its transform); the gate's parameters get per-tile partial sums.

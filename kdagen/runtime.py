@@ -808,11 +808,12 @@ class KDAKernel:
     def _run_states(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
                     gt: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, ws: workspace.Workspace,
                     buf: torch.Tensor, initial_state: torch.Tensor | None, checkpoints: torch.Tensor,
-                    states: torch.Tensor) -> None:
+                    states: torch.Tensor, scratch: torch.Tensor) -> None:
         """The backward's kept states from prepare's tiles (after `_run_prepare` into `ws` / `buf`, whose
         ready flags it has raised): the recurrence alone (`bwd_states`) from each sequence's initial state
         (zero when None), with a checkpoint every run of bwd_tile's tiles into `states` at the slots
-        `checkpoints` ([N, M], negative: skip). o is written to a scratch tensor. On the current stream."""
+        `checkpoints` ([N, M], negative: skip). Its o goes to `scratch` ([T, HV, V] in the MMA type), a
+        buffer the caller writes again later. On the current stream."""
         total, hv, _ = kd.shape
         nseq = cu.numel() - 1
         device = kd.device
@@ -825,12 +826,11 @@ class KDAKernel:
         h0 = _prepared(initial_state) if initial_state is not None else unused
         idx, init = self._no_pool(device)
         start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
-        o = torch.empty((total, hv, v.shape[-1]), dtype=_TORCH_DTYPE[self.spec.dtype], device=device)
         with self._stream_scope(device):
             has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 1, 0
             self._bwd_states(kd, qd, akt, aq, gt, v, cu, ready, order, h0, unused, idx, init, start,
-                             checkpoints, states, has_h0, store_ht, pooled, self.bwd_state_tiles, to_tiles, o,
-                             by_length)
+                             checkpoints, states, has_h0, store_ht, pooled, self.bwd_state_tiles, to_tiles,
+                             scratch, by_length)
 
     def _run_reverse_scan(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
                           gt: torch.Tensor, do: torch.Tensor, cu: torch.Tensor, dht: torch.Tensor,

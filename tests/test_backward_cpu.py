@@ -115,7 +115,7 @@ class EmuKernel:
         seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
         return SimpleNamespace(seg_len=seg)
 
-    def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, checkpoints, states):
+    def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, checkpoints, states, scratch):
         # As KDAKernel's (bwd_states): the recurrence from each sequence's initial state with a checkpoint
         # every run into `states`, here the emulated forward on the inputs of the forward run last.
         x, nseq = self.last, cu.numel() - 1
