@@ -87,6 +87,7 @@ def tile_states(
     cu_seqlens: torch.Tensor | None,
     policy: object = None,
     zero_unused: bool = True,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward, keeping the state entering every run of `bwd_tile`'s tiles: ``(o, final states [N, ...],
     states)``, states ``[run slots, HV, ...]`` in the spec's state layout and its dtype (the MMA type, in
@@ -94,7 +95,8 @@ def tile_states(
 
     The forward runs on a pool of N slots (sequence n's initial state, then its final one) with a
     checkpoint every run (64 tokens) into the states: the state after each full run lands in the slot of
-    the next run's id; the first run's (the initial state) is copied in after."""
+    the next run's id; the first run's (the initial state) is copied in after. ``out`` takes o (the
+    forward's contract)."""
     bsz, seqlen, hv = v.shape[:3]
     total = bsz * seqlen
     cu = _offsets(kernel, cu_seqlens, bsz, seqlen, q.device)
@@ -110,7 +112,7 @@ def tile_states(
                            output_final_state=False, cu_seqlens=cu_seqlens, policy=policy, state_pool=pool,
                            state_indices=idx, has_initial_state=None,
                            checkpoint_interval=CHUNK * kernel.bwd_state_tiles, start_positions=None,
-                           checkpoint_indices=ck, out=None, tile_states=states)
+                           checkpoint_indices=ck, out=out, tile_states=states)
     _first_states(states, first, initial_state)
     return o, pool, states
 
@@ -229,7 +231,9 @@ def run_backward(
         kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
                                                         mats=mats)
     v_c = v.contiguous().view(total, hv, vdim)
-    dv = torch.empty((total, hv, vdim), dtype=dt, device=device)  # v's dtype is the MMA type
+    # dv (v's dtype is the MMA type) first holds the forward's o, which is 0 past cu_seqlens[-1], the rows
+    # bwd_tile does not write (the other gradients' tails are bwd_grads').
+    dv = torch.empty((total, hv, vdim), dtype=dt, device=device)
     side = None
     if states is None and _states_beside_scan(kernel, nseq, total, hv, device, policy):
         # The recurrence alone on prepare's tiles, on a second stream beside the reverse scan: both read
@@ -245,7 +249,7 @@ def run_backward(
     elif states is None:
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                    initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
-                                   zero_unused=False)
+                                   zero_unused=False, out=dv.view(v.shape[:3] + (vdim,)))
 
     # ---- the reverse scan: dS leaving every tile, dh0 ----
     # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read. In

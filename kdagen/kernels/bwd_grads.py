@@ -25,10 +25,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
+from kdagen.kernels.common import cu_at, zero_padding_tail
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
-__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums"]
+__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "zero_tail"]
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
@@ -467,3 +468,19 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     if cutlass.const_expr(cfg.gate != "precomputed"):
         mDaLog[tile, hv, c] = d_alog
         mDdt[tile, hv, c] = d_dt
+
+
+@cute.jit
+def zero_tail(cfg: cutlass.Constexpr, mCu: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDg: cute.Tensor,
+              mDbeta: cute.Tensor, h: cutlass.Int32, tidx: cutlass.Int32):
+    """dq and dk of q/k head h, dg and dbeta of its value heads, zero for the tokens past cu_seqlens[-1]
+    (engine padding: the forward's o there is 0 whatever they hold, and no tile covers them), by the CTA's
+    K threads."""
+    zero_padding_tail(mDq, mCu, h, 0, tidx, cfg.k, cfg.k, cfg.dtype)
+    zero_padding_tail(mDk, mCu, h, 0, tidx, cfg.k, cfg.k, cfg.dtype)
+    tail0 = cu_at(mCu, mCu.shape[0] - 1, mDbeta.shape[0])
+    for j in cutlass.range(cfg.gva, unroll=1):
+        hv = h * cfg.gva + j
+        zero_padding_tail(mDg, mCu, hv, 0, tidx, cfg.k, cfg.k, cfg.g_dtype)
+        for t in range(tail0 + tidx, mDbeta.shape[0], cfg.k):
+            mDbeta[t, hv] = cfg.beta_dtype(0.0)

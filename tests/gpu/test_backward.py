@@ -178,3 +178,46 @@ def test_gradients_are_deterministic() -> None:
     b, _ = _grads(spec, case, recompute=True)
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.parametrize("cp", [None, 64], ids=["whole", "cp64"])
+def test_tokens_past_the_last_sequence_get_zero_gradients(cp: int | None) -> None:
+    # Engine padding: the tokens past cu_seqlens[-1] get o = 0 whatever they hold, so each of their gradients
+    # is exactly 0 (dq, dk, dg, dbeta from bwd_grads' last tile id; dv holds the forward's o there), and the
+    # sequences' gradients are those of the oracle without the tail. With CP the states come from the
+    # forward (the other path to dv's tail).
+    spec = SPECS["lb_safe"]
+    case = VL((0, 15, 100, 300), 2, init=True)
+    inp = build_inputs(spec, case)
+    n_real, pad = case.total, 37
+    seq_inputs = ("q", "k", "v", "g", "beta")
+    names = [n for n in GRADS if inp.get(n) is not None]
+    # the tail: copies of the first rows (valid values of each input's kind)
+    leaves = {n: (torch.cat([inp[n], inp[n][:, :pad]], dim=1) if n in seq_inputs else inp[n]).clone()
+              .requires_grad_() for n in names}
+    kern = kernel_for("lb_safe")
+    if cp is not None:
+        kern = kern.with_policy(SchedulePolicy(intracard_cp=cp))
+    o, ht = kern(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
+                 dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], output_final_state=True,
+                 cu_seqlens=inp["cu_seqlens"])
+    assert not o[:, n_real:].any()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)  # nonzero on the tail too
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    torch.autograd.backward([o, ht], [do, dht])
+    for n in seq_inputs:
+        assert not leaves[n].grad[:, n_real:].any(), n
+
+    ref = {n: inp[n].double().clone().requires_grad_() for n in names}
+    o_r, ht_r = kda_reference_autograd(
+        ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], A_log=ref["A_log"], dt_bias=ref["dt_bias"],
+        initial_state=ref["initial_state"], output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+        gate=spec["gate"], lower_bound=spec["lower_bound"], l2norm_qk=spec["l2norm_qk"],
+        state_layout=spec["state_layout"])
+    torch.autograd.backward([o_r, ht_r], [do[:, :n_real].double(), dht.double()])
+    got = {n: leaves[n].grad[:, :n_real] if n in seq_inputs else leaves[n].grad for n in names}
+    errors = {n: rel_rmse(ref[n].grad, got[n].double()) for n in names}
+    errors["A_log"] = _gate_error(spec, inp, got["A_log"], ref["A_log"].grad, ref["g"].grad)
+    bad = {n: round(e, 5) for n, e in errors.items() if not e <= TOL[n]}
+    assert not bad, f"error over the bound: {bad}"
