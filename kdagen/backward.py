@@ -1,11 +1,11 @@
 """The KDA backward of a loaded kernel (kda-math.md §8), run on the current CUDA stream.
 
-Four parts (prepare's launch first, then the recomputed forward of part 1, which needs none of its
-results):
-1. The state entering every run of `bwd_tile`'s tiles (`tile_states`; 64 tokens, `plan.BWD_STATE_TILES`
-   tiles): the kernel's own forward with a checkpoint every run, written in the MMA type into the slot of
-   its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's length). Recomputed in the
-   backward, or saved by the forward (`recompute=False`).
+Four parts, after prepare (`bwd_prepare`):
+1. The state entering every run of `bwd_tile`'s tiles (64 tokens, `plan.BWD_STATE_TILES` tiles), written
+   in the MMA type into the slot of its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's
+   length). Recomputed in the backward by the recurrence alone on prepare's tiles (`bwd_states`), on a
+   second stream beside part 2, or, where intra-card CP splits the call, by the kernel's own forward with a
+   checkpoint every run (`tile_states`); or saved by that forward (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
    states, from prepare's tiles and dO alone; split into segments by intra-card CP (`bwd_cp_*` stages)
