@@ -685,6 +685,16 @@ class KDAKernel:
         return (self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device)),
                 self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device)))
 
+    def _unused_state(self, device: torch.device, hv: int) -> torch.Tensor:
+        # A one-slot zero state (the state dtype) where a stage's initial or final state is not read or
+        # written: no initial state given, no final state asked for.
+        return self._cached(("state", device, hv), lambda: torch.zeros(
+            self._state_shape(1, hv), dtype=self._state_dtype, device=device))
+
+    def _no_start(self, device: torch.device) -> torch.Tensor:
+        # start_positions' one-element zero where none are given (the kernels extend it with zeros).
+        return self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+
     def _gate_args(self, A_log: Any, dt_bias: Any, hv: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         # (A_log [HV], dt_bias [HV * K]) for an in-kernel gate, zeros where not given; () for a precomputed g.
         if self.spec.gate == "precomputed":
@@ -821,11 +831,10 @@ class KDAKernel:
         # No ranking (by_length 0) and the two-stage path's mode word (0) in order[N].
         order = self._cached(("order", device, nseq), lambda: torch.zeros(nseq + 1, dtype=torch.int32,
                                                                            device=device))
-        unused = self._cached(("state", device, hv), lambda: torch.zeros(
-            self._state_shape(1, hv), dtype=self._state_dtype, device=device))
+        unused = self._unused_state(device, hv)
         h0 = _prepared(initial_state) if initial_state is not None else unused
         idx, init = self._no_pool(device)
-        start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        start = self._no_start(device)
         with self._stream_scope(device):
             has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 1, 0
             self._bwd_states(kd, qd, akt, aq, gt, v, cu, ready, order, h0, unused, idx, init, start,
@@ -1017,8 +1026,7 @@ class KDAKernel:
                 init = _prepared(has_initial_state.view(torch.uint8))
             has_h0, store_ht = (1 if has_initial_state is None else 2), 1
         else:
-            unused = self._cached(("state", device, hv), lambda: torch.zeros(
-                self._state_shape(1, hv), dtype=self._state_dtype, device=device))
+            unused = self._unused_state(device, hv)
             h0 = _prepared(initial_state) if initial_state is not None else unused
             idx, init = self._no_pool(device)
             if output_final_state:
@@ -1027,7 +1035,7 @@ class KDAKernel:
             has_h0, store_ht = int(initial_state is not None), int(ht is not None)
         # Prefix-cache checkpoints: the pieces' start positions (absent: the one-element zero, which the
         # kernels extend with zeros) and the checkpoints' slots, or one-element dummies with every = 0.
-        start = self._cached(("start", device), lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        start = self._no_start(device)
         ckpt = self._cached(("ckpt", device), lambda: torch.zeros((1, 1), dtype=torch.int32, device=device))
         every = 0
         if checkpoint_interval is not None:

@@ -155,7 +155,7 @@ class EmuKernel:
         hv, kdim, vdim = p.v.shape[2], p.k.shape[-1], p.v.shape[-1]
         seqlen = p.v.shape[1]
         dO = do.double().view(p.v.shape)
-        seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
+        seg = self._schedule(cu.numel() - 1, do.shape[0], hv, 1, policy).seg_len  # (as the runtime decides)
         self.segmented += seg is not None
 
         def back(b, bos, a, e, dS, d_o, tiles):
