@@ -65,10 +65,12 @@ def _run_map(cu: torch.Tensor, most: int, run: int) -> tuple[torch.Tensor, torch
     checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
     final state, no run's start) is skipped (-1)."""
     nseq = cu.numel() - 1
-    first = (cu[:-1] // run + torch.arange(nseq, device=cu.device, dtype=torch.int32)).long()
-    lengths = (cu[1:] - cu[:-1]).long()
-    m = torch.arange(most, device=cu.device)
-    ck = torch.where(run * (m[None, :] + 1) < lengths[:, None], first[:, None] + m[None, :] + 1, -1)
+    cu = cu.long()
+    first = torch.div(cu[:-1], run, rounding_mode="floor") + torch.arange(nseq, device=cu.device)
+    # Sequence n takes ceil(length / run) runs; checkpoint m exists where run m + 1 does.
+    runs = torch.div(cu[1:] - cu[:-1] + (run - 1), run, rounding_mode="floor")
+    m1 = torch.arange(1, most + 1, device=cu.device)
+    ck = torch.where(m1 < runs[:, None], first[:, None] + m1, -1)
     return first, ck.to(torch.int32)
 
 
@@ -236,31 +238,41 @@ def run_backward(
     dv = torch.empty((total, hv, vdim), dtype=dt, device=device)
     side = None
     if states is None and _states_beside_scan(kernel, nseq, total, hv, device, policy):
-        # The recurrence alone on prepare's tiles, on a second stream beside the reverse scan: both read
-        # only prepare's tiles, and bwd_tile waits for both.
+        # The recurrence alone on prepare's tiles, on a second stream forked here, after prepare and the
+        # allocation of every buffer it writes: it runs beside the reverse scan (both read only prepare's
+        # tiles), and bwd_tile waits for both.
         states = _new_states(kernel, total, nseq, hv, device, zero_unused=False)
-        first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
-        h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
         side = _SideStream(kernel, device)
+
+    # ---- the reverse scan: dS leaving every tile, dh0 ----
+    # Launched before the states' host setup (their run map, the recurrence's launch, or the forward's
+    # rerun), so that the GPU runs it meanwhile. Every tile id of a sequence is written by the scan and read
+    # by bwd_tile; unused ids are never read. In the MMA type, as bwd_tile stages it: the same operands as an
+    # fp32 dh, half the bytes.
+    dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=dt, device=device)
+    dh0 = torch.empty(state_shape(spec, nseq, hv), dtype=torch.float32, device=device)
+    dht_arg = dht.to(torch.float32).contiguous() if dht is not None else kernel._cached(
+        ("zero dht", device, hv), lambda: torch.zeros(state_shape(spec, 1, hv), dtype=torch.float32,
+                                                      device=device))
+    if do is None:  # only the final state's gradient reaches the call
+        do = torch.zeros(v.shape[:3] + (vdim,), dtype=dt, device=device)
+    do_arg = do.to(dt).contiguous().view(total, hv, vdim)
+    with kernel._stream_scope(device):
+        kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
+                                 policy)
+
+    if side is not None:
         with side:
+            first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
+            h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
             # (its o goes to dv, which bwd_tile writes after the join)
             kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states, dv)
             _first_states(states, first, initial_state)
-    elif states is None:
+    elif states is None:  # the forward's rerun, after the scan on the same stream
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                    initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
                                    zero_unused=False, out=dv.view(v.shape[:3] + (vdim,)))
 
-    # ---- the reverse scan: dS leaving every tile, dh0 ----
-    # Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never read. In
-    # the MMA type, as bwd_tile stages it: the same operands as an fp32 dh, half the bytes.
-    dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=dt, device=device)
-    dh0 = torch.empty(state_shape(spec, nseq, hv), dtype=torch.float32, device=device)
-    dht_arg = dht.to(torch.float32).contiguous() if dht is not None else torch.zeros(
-        state_shape(spec, 1, hv), dtype=torch.float32, device=device)
-    if do is None:  # only the final state's gradient reaches the call
-        do = torch.zeros(v.shape[:3] + (vdim,), dtype=dt, device=device)
-    do_arg = do.to(dt).contiguous().view(total, hv, vdim)
     f32 = torch.float32
     prods = {name: torch.empty((total, hv, d), dtype=f32, device=device)
              for name, d in (("dqd", kdim), ("dkd", kdim), ("dakt", kdim), ("daq", CHUNK))}
@@ -273,12 +285,9 @@ def run_backward(
     dbeta = torch.empty((total, hv), dtype=beta.dtype, device=device)
     gate_parts: tuple[torch.Tensor, ...] = ()
     if gate_args:  # unused tile ids are never written: zero so that the sums over tiles see nothing there
-        gate_parts = tuple(torch.zeros((ws.tile_slots, hv, kdim), dtype=f32, device=device)
-                           for _ in range(2))
+        gate_parts = tuple(torch.zeros((2, ws.tile_slots, hv, kdim), dtype=f32, device=device))
     q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
-        kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
-                                 policy)
         if side is not None:
             side.join()
         kernel._bwd_tile(kd, akt, aq, v_c, do_arg, gt, cu_c, states, dh,
