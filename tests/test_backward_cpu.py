@@ -53,6 +53,7 @@ class EmuKernel:
         self._bwd_states = True  # the stage exists: `_run_states` below
         self._state_dtype = torch.float32
         self.states_runs = 0  # recomputed states from prepare's tiles (`_run_states`)
+        self.launches: list[str] = []  # the backward's stages in the order the host launched them
 
     def _opts(self) -> dict[str, Any]:
         s = self.spec
@@ -90,6 +91,8 @@ class EmuKernel:
                  **kw):
         # As KDAKernel's: the checkpoints go to tile_states' slots (rounded to its dtype), the sequences'
         # states to the pool's.
+        if self.launches and self.launches[-1] != "states":  # tile_states: the forward's rerun
+            self.launches.append("forward")
         nt = tile_states.shape[0]
         pool = torch.cat([torch.zeros((nt, *state_pool.shape[1:]), dtype=state_pool.dtype), state_pool])
         o, _ = self(q, k, v, g, beta, state_pool=pool, state_indices=state_indices + nt,
@@ -122,6 +125,7 @@ class EmuKernel:
         pool = (initial_state.clone() if initial_state is not None
                 else torch.zeros(state_shape(self.spec, nseq, v.shape[1])))
         self.states_runs += 1
+        self.launches.append("states")
         self._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], A_log=x["A_log"],
                       dt_bias=x["dt_bias"], cu_seqlens=x["cu_seqlens"], state_pool=pool,
                       state_indices=torch.arange(nseq, dtype=torch.int32), checkpoint_indices=checkpoints,
@@ -138,6 +142,7 @@ class EmuKernel:
 
     def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms, mats=None):
         # (bwd_grads' reference forms the tiles' Mqk and Akk itself: `mats` stays unwritten)
+        self.launches.append("prepare")
         return (None,) * 5 + (cu,)
 
     def _run_reverse_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht, policy):
@@ -147,6 +152,7 @@ class EmuKernel:
         segment's offset (from zero) and linear map (from the identity with dO = 0), the maps combined last
         segment to first from dht, then every segment again from its merged gradient."""
         self.scans += 1
+        self.launches.append("scan")
         x, s = self.last, self.spec
         p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,
                      cu_seqlens=x["cu_seqlens"], gate=s.gate, A_log=x["A_log"], dt_bias=x["dt_bias"],
@@ -203,6 +209,7 @@ class EmuKernel:
         """`bwd_tile`'s products a tile at a time in fp64 (the folded step's formulas), from the inputs of the
         forward run last and the states it is given: one a run of tiles, carried through the run's tiles by
         the forward's step, as the stage carries it."""
+        self.launches.append("tile")
         x, s = self.last, self.spec
         p = _prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=None,
                      cu_seqlens=x["cu_seqlens"], gate=s.gate, A_log=x["A_log"], dt_bias=x["dt_bias"],
@@ -332,6 +339,9 @@ def _check_gradients(case: tuple, recompute: bool, policy: SchedulePolicy | None
     assert kern.scans == 1 and ht.shape[0] == nseq
     # Recomputed states come from prepare's tiles beside the scan, or from the forward where CP splits.
     assert kern.states_runs == (1 if recompute and policy is None else 0)
+    # The scan goes right after prepare, so that the GPU runs it while the host sets up the states.
+    states = ["states"] if recompute and policy is None else ["forward"] if recompute else []
+    assert kern.launches[-(3 + len(states)):] == ["prepare", "scan", *states, "tile"], kern.launches
 
     ref = {n: x[n].double().clone().requires_grad_() for n in names}
     o_r, ht_r = kda_reference_autograd(
