@@ -91,7 +91,7 @@ class EmuKernel:
                  **kw):
         # As KDAKernel's: the checkpoints go to tile_states' slots (rounded to its dtype), and only those
         # slots are written; the sequences' states go to the pool's.
-        if self.launches and self.launches[-1] != "states":  # tile_states: the forward's rerun
+        if not self.launches or self.launches[-1] != "states":  # the forward keeping the states itself
             self.launches.append("forward")
         nt = tile_states.shape[0]
         pool = torch.cat([torch.zeros((nt, *state_pool.shape[1:]), dtype=state_pool.dtype), state_pool])
