@@ -3,11 +3,9 @@
 Four parts, after prepare (`bwd_prepare`):
 1. The state entering every run of `bwd_tile`'s tiles (64 tokens, `plan.BWD_STATE_TILES` tiles), written
    in the MMA type into the slot of its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's
-   length). Recomputed in the backward by the recurrence alone on prepare's tiles (`bwd_states`), launched
-   right after prepare and following its ready flags, so that the two run side by side (the forward's plain
-   path); or, where intra-card CP splits the call, by the kernel's own forward with a checkpoint every run
-   (`tile_states`), after part 2; or saved by that forward (`recompute=False`). The stages run in this
-   order on the current stream.
+   length). Recomputed in the backward by the recurrence alone on prepare's tiles (`bwd_states`), on a
+   second stream beside part 2, or, where intra-card CP splits the call, by the kernel's own forward with a
+   checkpoint every run (`tile_states`); or saved by that forward (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
    states, from prepare's tiles and dO alone; split into segments by intra-card CP (`bwd_cp_*` stages)
@@ -27,16 +25,16 @@ Gradients come back in the inputs' dtypes: dq, dk, dv, dg (of the raw gate input
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kdagen import workspace
 from kdagen.arch import CHUNK
-from kdagen.runtime import _TORCH_DTYPE, _prepared, check_scale, state_shape
+from kdagen.runtime import _TORCH_DTYPE, check_scale, state_shape
 
 if TYPE_CHECKING:
-    from kdagen.policy import Schedule
     from kdagen.runtime import KDAKernel
 
 __all__ = ["Grads", "tile_states", "run_backward"]
@@ -151,16 +149,39 @@ def _first_states(states: torch.Tensor, first: torch.Tensor, initial_state: torc
         states.index_fill_(0, first, 0.0)
 
 
-def _states_schedule(kernel: KDAKernel, nseq: int, total: int, hv: int, device: torch.device,
-                     policy: object) -> Schedule | None:
-    # The forward's schedule for this call where the recomputed states come from the recurrence alone
-    # (`bwd_states`, beside prepare): the variant has the stage and the schedule runs whole sequences; None
-    # where it splits them (intra-card CP: few long sequences, whose serial chains alone would leave most SMs
-    # idle; the forward itself reruns) or for an empty call (the forward's early return).
-    if kernel._bwd_states is None or total == 0 or nseq == 0:
-        return None
-    sched = kernel._schedule(nseq, total, hv, kernel._sm_count(device), policy)
-    return sched if sched.seg_len is None else None
+def _states_beside_scan(kernel: KDAKernel, nseq: int, total: int, hv: int, device: torch.device,
+                        policy: object) -> bool:
+    # The recomputed states come from the recurrence alone (`bwd_states`, beside the reverse scan) where the
+    # variant has the stage and the forward's schedule runs whole sequences; where it splits them (intra-card
+    # CP: few long sequences, whose serial chains alone would leave most SMs idle) the forward itself reruns.
+    if kernel._bwd_states is None or total == 0 or nseq == 0:  # (an empty call: the forward's early return)
+        return False
+    return kernel._schedule(nseq, total, hv, kernel._sm_count(device), policy).seg_len is None
+
+
+class _SideStream:
+    """A second stream forked from the current one (`with` makes it current), joined back by `join`; on a
+    CPU device (the backward's emulation) both are no-ops. Tensors it uses are the caller's, alive until
+    after the join."""
+
+    def __init__(self, kernel: KDAKernel, device: torch.device) -> None:
+        self._main = self._side = None
+        if device.type == "cuda":
+            self._main = torch.cuda.current_stream(device)
+            self._side = kernel._cached(("side stream", device), lambda: torch.cuda.Stream(device))
+            self._side.wait_stream(self._main)
+
+    def __enter__(self) -> _SideStream:
+        self._ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+    def join(self) -> None:
+        if self._main is not None:
+            self._main.wait_stream(self._side)
 
 
 def _mats(ws: workspace.Workspace, hv: int, device: torch.device) -> torch.Tensor:
@@ -204,32 +225,30 @@ def run_backward(
     compact = [t.contiguous() for t in (q, k, g, beta)]
     gate_args = kernel._gate_args(A_log, dt_bias, hv, device)
     sms = kernel._sm_count(device)
+    # Prepare first: the GPU starts on it while the host sets up the forward that recomputes the states
+    # (which needs none of prepare's results), and that forward's workspace is gone before the products'
+    # buffers below are allocated.
     mats = _mats(ws, hv, device)
+    with kernel._stream_scope(device):
+        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
+                                                        mats=mats)
     v_c = v.contiguous().view(total, hv, vdim)
     # dv (v's dtype is the MMA type) first holds the forward's o, which is 0 past cu_seqlens[-1], the rows
     # bwd_tile does not write (the other gradients' tails are bwd_grads').
     dv = torch.empty((total, hv, vdim), dtype=dt, device=device)
-    sched = _states_schedule(kernel, nseq, total, hv, device, policy) if states is None else None
-    if sched is not None:
-        # The recurrence alone on prepare's tiles, launched right after prepare and following its ready
-        # flags, so that the two run side by side as in the forward's plain path. Everything it needs is
-        # made before prepare: nothing may be launched between the two.
+    side = None
+    if states is None and _states_beside_scan(kernel, nseq, total, hv, device, policy):
+        # The recurrence alone on prepare's tiles, on a second stream forked here, after prepare and the
+        # allocation of every buffer it writes: it runs beside the reverse scan (both read only prepare's
+        # tiles), and bwd_tile waits for both.
         states = _new_states(kernel, total, nseq, hv, device, zero_unused=False)
-        first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
-        _first_states(states, first, initial_state)  # (slots the recurrence does not write)
-        h0 = None if initial_state is None else _prepared(initial_state.to(kernel._state_dtype))
-    with kernel._stream_scope(device):
-        kd, qd, akt, aq, gt, cu_c = kernel._run_prepare(*compact, gate_args, cu, ws, buf, sizes, scale, sms,
-                                                        mats=mats, early=sched is not None,
-                                                        beside=sched is not None and sched.beside)
-        if sched is not None:
-            # (its o goes to dv, which bwd_tile writes later)
-            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states, dv)
+        side = _SideStream(kernel, device)
 
     # ---- the reverse scan: dS leaving every tile, dh0 ----
-    # Before the forward's rerun where CP takes that path, so that the GPU runs it while the host sets the
-    # rerun up. Every tile id of a sequence is written by the scan and read by bwd_tile; unused ids are never
-    # read. In the MMA type, as bwd_tile stages it: the same operands as an fp32 dh, half the bytes.
+    # Launched before the states' host setup (their run map, the recurrence's launch, or the forward's
+    # rerun), so that the GPU runs it meanwhile. Every tile id of a sequence is written by the scan and read
+    # by bwd_tile; unused ids are never read. In the MMA type, as bwd_tile stages it: the same operands as an
+    # fp32 dh, half the bytes.
     dh = torch.empty((ws.tile_slots, hv, vdim, kdim), dtype=dt, device=device)
     dh0 = torch.empty(state_shape(spec, nseq, hv), dtype=torch.float32, device=device)
     dht_arg = dht.to(torch.float32).contiguous() if dht is not None else kernel._cached(
@@ -242,7 +261,14 @@ def run_backward(
         kernel._run_reverse_scan(kd, qd, akt, aq, gt, do_arg, cu_c, dht_arg, dh0, dh, int(dht is not None),
                                  policy)
 
-    if states is None:  # the forward's rerun, after the scan
+    if side is not None:
+        with side:
+            first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
+            h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
+            # (its o goes to dv, which bwd_tile writes after the join)
+            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states, dv)
+            _first_states(states, first, initial_state)
+    elif states is None:  # the forward's rerun, after the scan on the same stream
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                    initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,
                                    zero_unused=False, out=dv.view(v.shape[:3] + (vdim,)))
@@ -262,6 +288,8 @@ def run_backward(
         gate_parts = tuple(torch.zeros((2, ws.tile_slots, hv, kdim), dtype=f32, device=device))
     q_c, k_c, g_c, beta_c = compact
     with kernel._stream_scope(device):
+        if side is not None:
+            side.join()
         kernel._bwd_tile(kd, akt, aq, v_c, do_arg, gt, cu_c, states, dh,
                          dv, prods["dqd"], prods["dkd"], prods["dakt"], prods["daq"], dgt)
         gate_in = (gate_args[0], gate_args[1].view(hv, kdim)) if gate_args else ()

@@ -517,11 +517,11 @@ def make_plan(spec: KernelSpec) -> Plan:
         note=f"backward: the reverse scan of the state's gradient, {block_v} value rows a CTA",
     )
     # The states entering bwd_tile's runs, recomputed by the variant's recurrence alone on bwd_prepare's tiles
-    # (templates/common/bwd_states.py.j2), beside prepare as in the forward's plain path.
+    # (templates/common/bwd_states.py.j2), beside the reverse scan.
     bwd_states = StagePlan(
         "bwd_states", "common/bwd_states.py.j2", {**common},
         note=f"backward: the recurrence alone on bwd_prepare's tiles, keeping the state entering every "
-             f"{bwd_state_tiles(spec) * CHUNK} tokens, beside bwd_prepare",
+             f"{bwd_state_tiles(spec) * CHUNK} tokens, beside the reverse scan",
     )
     # Its intra-card CP, when the forward's schedule splits the sequences into segments (the scan's serial
     # chain is the forward's, step for step): each segment's map of the gradient, the maps combined last

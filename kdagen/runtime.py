@@ -788,49 +788,42 @@ class KDAKernel:
     def _run_prepare(self, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      gate_args: tuple[torch.Tensor, ...], cu: torch.Tensor, ws: workspace.Workspace,
                      buf: torch.Tensor, sizes: tuple[int, ...], scale: float,
-                     sms: int, mats: torch.Tensor | None = None, early: bool = False,
-                     beside: bool = False) -> tuple[torch.Tensor, ...]:
+                     sms: int, mats: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Prepare alone (the intra-card CP path, the backward): its per-tile intermediates carved from the
         workspace `buf` ((kd, qd, akt [T, HV, K], aq [T, HV, 16], gt [tile slots, HV, K]) and cu_seqlens
         clamped into [0, T] (the setup kernel's job on the plain path: prepare and the stages after it search
         the offsets without clamps of their own). With `mats` ([tile slots, HV, 2, 16, 16] fp32, the
         backward's) the `bwd_prepare` stage runs instead and also writes every tile's Mqk and Akk there.
-        With `early` the ready flags are zeroed first and prepare lets a recurrence launched right after it
-        start at once (programmatic dependent launch; the recurrence follows the flags), with the CTAs of
-        the forward's plain path (`beside`: fewer an SM, leaving room for the recurrence). Launched on the
-        current stream; returns (kd, qd, akt, aq, gt, cu)."""
+        Launched on the current stream; returns (kd, qd, akt, aq, gt, cu)."""
         bsz, seqlen, nh, hv, nseq = sizes
         total, kdim, dt = bsz * seqlen, self.spec.head_dim_k, _TORCH_DTYPE[self.spec.dtype]
         buf = buf.view(-1)
         kd, qd, akt = (_carve(buf, off, dt, (total, hv, kdim)) for off in (0, ws.qd, ws.akt))
         aq = _carve(buf, ws.aq, dt, (total, hv, CHUNK))
         gt = _carve(buf, ws.gt, torch.float32, (ws.tile_slots, hv, kdim))
-        ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare
-        if early:
-            ready.zero_()
+        ready = _carve(buf, ws.ready, torch.int32, (ws.tile_slots, hv))  # raised by prepare, unread here
         cu = torch.clamp(cu, 0, total, out=_carve(buf, ws.cu, torch.int32, (nseq + 1,)))
         items = ws.tile_slots * -(-hv // self._prepare_heads_per_cta)
-        prepare_ctas = max(1, min(items, self._prepare_ctas[1 if early and beside else 0] * sms))
+        prepare_ctas = max(1, min(items, self._prepare_ctas[0] * sms))
         if gate_args:
             gate_args = (gate_args[0], gate_args[1].view(hv, kdim))
         inputs = (q.view(total, nh, kdim), k.view(total, nh, kdim), g.view(total, hv, kdim),
                   beta.view(total, hv), *gate_args, cu, kd, qd, akt, aq, gt, ready)
         if mats is None:
-            self._prepare(*inputs, float(scale), prepare_ctas, int(early))
+            self._prepare(*inputs, float(scale), prepare_ctas, 0)
         else:
-            self._bwd_prepare(*inputs, mats, float(scale), prepare_ctas, int(early))
+            self._bwd_prepare(*inputs, mats, float(scale), prepare_ctas, 0)
         return kd, qd, akt, aq, gt, cu
 
     def _run_states(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
                     gt: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, ws: workspace.Workspace,
                     buf: torch.Tensor, initial_state: torch.Tensor | None, checkpoints: torch.Tensor,
                     states: torch.Tensor, scratch: torch.Tensor) -> None:
-        """The backward's kept states from prepare's tiles (after `_run_prepare` into `ws` / `buf`): the
-        recurrence alone (`bwd_states`) from each sequence's initial state (zero when None), with a
-        checkpoint every run of bwd_tile's tiles into `states` at the slots `checkpoints` ([N, M], negative:
-        skip). It follows prepare's ready flags, so launched right after an `early` prepare it runs beside
-        it. Its o goes to `scratch` ([T, HV, V] in the MMA type), a buffer the caller writes again later. On
-        the current stream."""
+        """The backward's kept states from prepare's tiles (after `_run_prepare` into `ws` / `buf`, whose
+        ready flags it has raised): the recurrence alone (`bwd_states`) from each sequence's initial state
+        (zero when None), with a checkpoint every run of bwd_tile's tiles into `states` at the slots
+        `checkpoints` ([N, M], negative: skip). Its o goes to `scratch` ([T, HV, V] in the MMA type), a
+        buffer the caller writes again later. On the current stream."""
         total, hv, _ = kd.shape
         nseq = cu.numel() - 1
         device = kd.device

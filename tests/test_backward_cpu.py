@@ -89,16 +89,15 @@ class EmuKernel:
 
     def _prefill(self, q, k, v, g, beta, *, state_pool, state_indices, checkpoint_indices, tile_states,
                  **kw):
-        # As KDAKernel's: the checkpoints go to tile_states' slots (rounded to its dtype), and only those
-        # slots are written; the sequences' states go to the pool's.
-        if not self.launches or self.launches[-1] != "states":  # the forward keeping the states itself
+        # As KDAKernel's: the checkpoints go to tile_states' slots (rounded to its dtype), the sequences'
+        # states to the pool's.
+        if self.launches and self.launches[-1] != "states":  # tile_states: the forward's rerun
             self.launches.append("forward")
         nt = tile_states.shape[0]
         pool = torch.cat([torch.zeros((nt, *state_pool.shape[1:]), dtype=state_pool.dtype), state_pool])
         o, _ = self(q, k, v, g, beta, state_pool=pool, state_indices=state_indices + nt,
                     checkpoint_indices=checkpoint_indices, **kw)
-        written = checkpoint_indices[checkpoint_indices >= 0].long()
-        tile_states[written] = pool[written].to(tile_states.dtype)
+        tile_states.copy_(pool[:nt])
         state_pool.copy_(pool[nt:])
         return o, None
 
@@ -117,7 +116,7 @@ class EmuKernel:
     def _schedule(self, nseq, total, hv, sms, policy):
         # as KDAKernel's where it matters here: segments only where a policy forces intra-card CP
         seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
-        return SimpleNamespace(seg_len=seg, beside=seg is None)
+        return SimpleNamespace(seg_len=seg)
 
     def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, checkpoints, states, scratch):
         # As KDAKernel's (bwd_states): the recurrence from each sequence's initial state with a checkpoint
@@ -141,11 +140,9 @@ class EmuKernel:
     def _stream_scope(self, device):
         return contextlib.nullcontext()
 
-    def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms, mats=None, early=False,
-                     beside=False):
-        # (bwd_grads' reference forms the tiles' Mqk and Akk itself: `mats` stays unwritten). `early`: the
-        # states' recurrence is launched next and runs beside prepare.
-        self.launches.append("prepare, early" if early else "prepare")
+    def _run_prepare(self, q, k, g, beta, gate_args, cu, ws, buf, sizes, scale, sms, mats=None):
+        # (bwd_grads' reference forms the tiles' Mqk and Akk itself: `mats` stays unwritten)
+        self.launches.append("prepare")
         return (None,) * 5 + (cu,)
 
     def _run_reverse_scan(self, kd, qd, akt, aq, gt, do, cu, dht, dh0, dh, has_dht, policy):
@@ -340,15 +337,11 @@ def _check_gradients(case: tuple, recompute: bool, policy: SchedulePolicy | None
     dht = torch.randn(ht.shape, generator=gen)
     torch.autograd.backward((o, ht), (do, dht))
     assert kern.scans == 1 and ht.shape[0] == nseq
-    # Recomputed states come from prepare's tiles beside prepare, or from the forward where CP splits.
+    # Recomputed states come from prepare's tiles beside the scan, or from the forward where CP splits.
     assert kern.states_runs == (1 if recompute and policy is None else 0)
-    # The states' recurrence goes right after prepare, which lets it start early (nothing between the two);
-    # the forward's rerun under CP goes after the scan.
-    if recompute and policy is None:
-        order = ["prepare, early", "states", "scan", "tile"]
-    else:
-        order = ["prepare", "scan", *(["forward"] if recompute else []), "tile"]
-    assert kern.launches[-len(order):] == order, kern.launches
+    # The scan goes right after prepare, so that the GPU runs it while the host sets up the states.
+    states = ["states"] if recompute and policy is None else ["forward"] if recompute else []
+    assert kern.launches[-(3 + len(states)):] == ["prepare", "scan", *states, "tile"], kern.launches
 
     ref = {n: x[n].double().clone().requires_grad_() for n in names}
     o_r, ht_r = kda_reference_autograd(
