@@ -201,8 +201,8 @@ def run_decode(
             float(scale), per_seq, int(num_accepted_tokens is not None), int(has_initial_state is not None),
             int(bool(update_state)))
     with kernel._stream_scope(device):
-        if decode_streams(kernel._decode_stream is not None, kernel.policy):
-            sms = kernel._sm_count(device)
+        sms = kernel._sm_count(device)
+        if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, kernel.policy):
             parts = decode_parts(nreq * hv, sms, vdim, spec.state_layout == "vk",
                                  seqlen if cu_seqlens is None else 0)
             kernel._decode_stream(*args, parts, min(nreq * hv * parts, sms))

@@ -22,11 +22,13 @@ PREPARE_HEADS_PER_CTA = 4
 # Value rows per recurrence CTA: four warps of 16 rows each. At V=128 this splits every (sequence, head)
 # in two CTAs, which doubles the parallelism of the serial chain (the V-split of fast-kda.md §C.2).
 BLOCK_V = 64
-# Value columns per decode CTA before sm_90, one thread each holding its column of the state: two CTAs a
-# head at V=128 (sm_90 and later take a whole head a CTA; docs/experiments.md, "Decode: bulk copies").
-DECODE_BLOCK_V = 64
-# Shared memory of the decode stage besides a bulk-copied slot: the token's q, k and decays, sums, a barrier.
-DECODE_SMEM_EXTRA = 4096
+# The per-item decode stage's CTA: (value columns, threads a column). Before sm_90 it takes every call, one
+# thread a column holding the whole column: two CTAs a head at V=128. Where the streaming stage takes the
+# large calls (targets with bulk copies), it serves the calls of few items, as narrow CTAs of 32 columns
+# with 4 threads each (32 keys a thread): four CTAs a head, so that a single request's states pass through
+# many SMs (docs/experiments.md, "Decode: narrow CTAs for few requests").
+DECODE_WIDE_CTA = (64, 1)
+DECODE_NARROW_CTA = (32, 4)
 # Streaming decode (`decode_stream`): at most this many item states in its shared-memory ring; stager warps
 # (each a global round trip a token in flight; three keep a V = 128 CTA at 256 threads, which ptxas gives
 # all 255 registers: at 288 it allocates 32 and spills 17 KB) and the tokens each stages ahead.
@@ -453,18 +455,12 @@ def make_plan(spec: KernelSpec) -> Plan:
     )
     fused_stages = ((fused_stage,) if fused else ()) + ((pair_stage,) if pair else ())
     # Decode and speculative-decode verify on a slot-indexed pool (templates/common/decode.py.j2): every
-    # family's, since it uses no tensor cores (one thread a value column, the state column in registers); the
-    # runtime takes it where the streaming stage below does not exist (targets without bulk copies: sm_80,
-    # sm_89).
-    # On sm_90 and later a CTA takes a whole head (K >= V, so that the V threads stage the token's K inputs
-    # in whole rounds): fewer, larger CTAs, 0.93-0.96x FLA's fp32 step at N >= 128 against 0.87-0.92x with
-    # two CTAs a head. A bf16 state with the K-first layout moves its slot between the pool and shared
-    # memory in one bulk copy each way: 1.55-1.67x FLA's fp32 step against 1.4x in registers; an fp32 one
-    # gains nothing from it and pays the copy's latency at N=1 (docs/experiments.md, "Decode: bulk copies").
+    # family's, since it uses no tensor cores (the state column in registers). Where the streaming stage
+    # below exists (targets with bulk copies) the runtime takes this one for calls of few items only
+    # (`kdagen.policy.decode_streams`), as narrow CTAs; elsewhere for every call, as wide ones.
     slot_bytes = spec.head_dim_k * spec.head_dim_v * DTYPES[spec.state_dtype].nbytes
-    decode_whole_head = spec.arch_info.has_bulk_copy and spec.head_dim_k >= spec.head_dim_v
-    decode_bulk = (decode_whole_head and spec.state_layout == "kv" and DTYPES[spec.state_dtype].nbytes == 2
-                   and slot_bytes + DECODE_SMEM_EXTRA <= spec.arch_info.smem_bytes_per_block)
+    block_v, key_split = DECODE_NARROW_CTA if spec.arch_info.has_bulk_copy else DECODE_WIDE_CTA
+    block_v = min(block_v, spec.head_dim_v)
     decode = StagePlan(
         "decode",
         "common/decode.py.j2",
@@ -477,8 +473,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "beta_dtype": DTYPES[spec.beta_dtype].dsl,
             "beta": spec.beta,
             "state_layout": spec.state_layout,
-            "block_v": spec.head_dim_v if decode_whole_head else min(DECODE_BLOCK_V, spec.head_dim_v),
-            "bulk": decode_bulk,
+            "block_v": block_v,
+            "key_split": key_split,
             "partial_sums": DECODE_PARTIAL_SUMS,
             "state_bytes": DTYPES[spec.state_dtype].nbytes,
         },
@@ -496,7 +492,7 @@ def make_plan(spec: KernelSpec) -> Plan:
         "decode_stream",
         "common/decode_stream.py.j2",
         {
-            **{key: val for key, val in decode.params.items() if key not in ("block_v", "bulk")},
+            **{key: val for key, val in decode.params.items() if key not in ("block_v", "key_split")},
             "stages": stream_stages,
             "stagers": DECODE_STAGERS,
             "token_stages": DECODE_TOKEN_STAGES,

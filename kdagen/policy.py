@@ -64,6 +64,9 @@ _TOGGLE = ("auto", "on", "off")
 _ORDER = ("auto", "length", "input")
 # Most value parts a streaming-decode item splits into (`decode_parts`): 16 value columns a part at V = 128.
 DECODE_MAX_PARTS = 8
+# Items (request, value head) per SM up to which "auto" takes the per-item decode stage's narrow CTAs over
+# the streaming grid (`decode_streams`).
+DECODE_PER_ITEM_MAX = 1.0
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -84,8 +87,9 @@ class SchedulePolicy:
       each at once, where the variant has the pair form), "off" (one CTA a chain always).
     - ``seq_order``: "auto" (longest first when the recurrence grid does not fit the SMs at once), "length"
       (longest first whenever there are 2 to 4096 sequences), "input" (the order of ``cu_seqlens``).
-    - ``decode_stream``: "auto" and "on" (a decode call runs the streaming decode stage where the variant
-      has it; `decode_streams`), "off" (the one-CTA-an-item decode stage).
+    - ``decode_stream``: "auto" (a decode call runs the streaming decode stage where the variant has it,
+      but for calls of few items; `decode_streams`), "on" (the streaming stage where the variant has it),
+      "off" (the one-CTA-an-item decode stage).
 
     Validated on construction (`ValueError` naming the field). Frozen and hashable: a kernel caches its
     decisions per policy and call size.
@@ -476,10 +480,13 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
     return parts
 
 
-def decode_streams(has_stage: bool, policy: SchedulePolicy = AUTO) -> bool:
-    """Whether a decode call runs the streaming decode stage (a persistent grid) rather than one CTA an item;
-    `has_stage`: the variant has it. "auto" streams whenever it can: on an H100 it is within 3% of the
-    per-item stage or faster at every size but verify steps of 8 tokens on 8-32 requests (up to 22% slower
-    there), 1.08-1.15x faster from 32 requests and up to 1.3x at 1 request of 8 tokens (docs/experiments.md,
-    "Decode: a streaming grid")."""
-    return has_stage and policy.decode_stream != "off"
+def decode_streams(has_stage: bool, items: int, sms: int, policy: SchedulePolicy = AUTO) -> bool:
+    """Whether a decode call of `items` (request, value head) items on `sms` SMs runs the streaming decode
+    stage (a persistent grid) rather than one CTA an item; `has_stage`: the variant has it (targets with
+    bulk copies, whose per-item stage has narrow CTAs). "auto" streams where the variant can, but for calls
+    of at most `DECODE_PER_ITEM_MAX` items an SM, where the per-item stage's narrow CTAs spread each state
+    over several SMs and their chain of round trips is shorter (docs/experiments.md, "Decode: narrow CTAs
+    for few requests")."""
+    if not has_stage or policy.decode_stream == "off":
+        return False
+    return policy.decode_stream == "on" or items > DECODE_PER_ITEM_MAX * sms

@@ -439,12 +439,15 @@ def test_fit_ranks_constants_by_the_check():
     assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
 
 
-@pytest.mark.parametrize(("has_stage", "toggle", "expected"),
-                         [(True, "auto", True), (True, "on", True), (True, "off", False),
-                          (False, "auto", False), (False, "on", False)])
-def test_decode_streams_where_the_variant_has_the_stage(has_stage: bool, toggle: str, expected: bool):
-    # "auto" and "on" take the streaming decode where the variant has it; "off" the per-item stage.
-    assert decode_streams(has_stage, SchedulePolicy(decode_stream=toggle)) is expected
+@pytest.mark.parametrize(("has_stage", "toggle", "items", "expected"),
+                         [(True, "auto", 1000, True), (True, "auto", 132, False), (True, "auto", 133, True),
+                          (True, "on", 1, True), (True, "off", 1000, False), (False, "auto", 1000, False),
+                          (False, "on", 1000, False)])
+def test_decode_streams_where_the_variant_has_the_stage(has_stage: bool, toggle: str, items: int,
+                                                        expected: bool):
+    # "auto" takes the streaming decode where the variant has it, but for calls of at most one item an SM
+    # (132 SMs here); "on" wherever the variant has it; "off" the per-item stage.
+    assert decode_streams(has_stage, items, 132, SchedulePolicy(decode_stream=toggle)) is expected
 
 
 def test_decode_stream_override_is_read_from_the_environment():
