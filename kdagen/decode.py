@@ -202,9 +202,9 @@ def run_decode(
             int(bool(update_state)))
     with kernel._stream_scope(device):
         sms = kernel._sm_count(device)
-        if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, kernel.policy):
-            parts = decode_parts(nreq * hv, sms, vdim, spec.state_layout == "vk",
-                                 seqlen if cu_seqlens is None else 0)
+        v_first, tokens = spec.state_layout == "vk", seqlen if cu_seqlens is None else 0
+        if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, v_first, tokens, kernel.policy):
+            parts = decode_parts(nreq * hv, sms, vdim, v_first, tokens)
             kernel._decode_stream(*args, parts, min(nreq * hv * parts, sms))
         else:
             kernel._decode(*args)

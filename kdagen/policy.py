@@ -64,9 +64,11 @@ _TOGGLE = ("auto", "on", "off")
 _ORDER = ("auto", "length", "input")
 # Most value parts a streaming-decode item splits into (`decode_parts`): 16 value columns a part at V = 128.
 DECODE_MAX_PARTS = 8
-# Items (request, value head) per SM up to which "auto" takes the per-item decode stage's narrow CTAs over
-# the streaming grid (`decode_streams`).
-DECODE_PER_ITEM_MAX = 1.0
+# Where "auto" takes the per-item decode stage's narrow CTAs over the streaming grid (`decode_streams`): a
+# K-first state up to this many items (request, value head) an SM; a V-first one up to this many items an
+# SM at one token a request, and at every size from two tokens.
+DECODE_PER_ITEM_KV = 1
+DECODE_PER_ITEM_VK = 16
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -480,13 +482,21 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
     return parts
 
 
-def decode_streams(has_stage: bool, items: int, sms: int, policy: SchedulePolicy = AUTO) -> bool:
+def decode_streams(has_stage: bool, items: int, sms: int, v_first: bool, tokens: int,
+                   policy: SchedulePolicy = AUTO) -> bool:
     """Whether a decode call of `items` (request, value head) items on `sms` SMs runs the streaming decode
     stage (a persistent grid) rather than one CTA an item; `has_stage`: the variant has it (targets with
-    bulk copies, whose per-item stage has narrow CTAs). "auto" streams where the variant can, but for calls
-    of at most `DECODE_PER_ITEM_MAX` items an SM, where the per-item stage's narrow CTAs spread each state
-    over several SMs and their chain of round trips is shorter (docs/experiments.md, "Decode: narrow CTAs
-    for few requests")."""
+    bulk copies, whose per-item stage has narrow CTAs); `tokens`: a request's tokens ([N, S] calls; 0:
+    packed, taken as one). "auto" streams where the variant can, but where the per-item stage's narrow CTAs
+    were faster on an H200 (docs/experiments.md, "Decode: narrow CTAs for few requests"): a K-first state
+    at most `DECODE_PER_ITEM_KV` items an SM (one request: its state spread over many SMs, a short chain of
+    round trips; the streaming grid's bulk copies win from there); a V-first one at most
+    `DECODE_PER_ITEM_VK` items an SM for a token a request and at every size for more (its rows load as
+    vectors, where the streaming grid's consumers read them across banks)."""
     if not has_stage or policy.decode_stream == "off":
         return False
-    return policy.decode_stream == "on" or items > DECODE_PER_ITEM_MAX * sms
+    if policy.decode_stream == "on":
+        return True
+    if v_first:
+        return tokens <= 1 and items > DECODE_PER_ITEM_VK * sms
+    return items > DECODE_PER_ITEM_KV * sms

@@ -439,15 +439,20 @@ def test_fit_ranks_constants_by_the_check():
     assert [r[0] for r in ranked] == sorted(r[0] for r in ranked)
 
 
-@pytest.mark.parametrize(("has_stage", "toggle", "items", "expected"),
-                         [(True, "auto", 1000, True), (True, "auto", 132, False), (True, "auto", 133, True),
-                          (True, "on", 1, True), (True, "off", 1000, False), (False, "auto", 1000, False),
-                          (False, "on", 1000, False)])
+@pytest.mark.parametrize(("has_stage", "toggle", "items", "v_first", "tokens", "expected"),
+                         [(True, "auto", 1000, False, 1, True), (True, "auto", 132, False, 8, False),
+                          (True, "auto", 133, False, 8, True), (True, "auto", 2112, True, 1, False),
+                          (True, "auto", 2113, True, 1, True), (True, "auto", 2113, True, 0, True),
+                          (True, "auto", 100000, True, 2, False), (True, "on", 1, False, 1, True),
+                          (True, "on", 1, True, 8, True), (True, "off", 100000, True, 1, False),
+                          (False, "auto", 1000, False, 1, False), (False, "on", 1000, True, 1, False)])
 def test_decode_streams_where_the_variant_has_the_stage(has_stage: bool, toggle: str, items: int,
-                                                        expected: bool):
-    # "auto" takes the streaming decode where the variant has it, but for calls of at most one item an SM
-    # (132 SMs here); "on" wherever the variant has it; "off" the per-item stage.
-    assert decode_streams(has_stage, items, 132, SchedulePolicy(decode_stream=toggle)) is expected
+                                                        v_first: bool, tokens: int, expected: bool):
+    # "auto" takes the streaming decode where the variant has it, but for K-first calls of at most one item
+    # an SM (132 SMs here) and V-first ones of at most 16 items an SM at one token a request (0: packed) or
+    # of any size with more; "on" wherever the variant has it; "off" the per-item stage.
+    assert decode_streams(has_stage, items, 132, v_first, tokens, SchedulePolicy(decode_stream=toggle)) \
+        is expected
 
 
 def test_decode_stream_override_is_read_from_the_environment():
