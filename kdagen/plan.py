@@ -478,7 +478,9 @@ def make_plan(spec: KernelSpec) -> Plan:
             "partial_sums": DECODE_PARTIAL_SUMS,
             "state_bytes": DTYPES[spec.state_dtype].nbytes,
         },
-        note="decode: a few tokens a request on a slot-indexed state pool, in place",
+        note=f"decode: a few tokens a request on a slot-indexed state pool, in place; {block_v} value "
+        f"columns a CTA, {_count(key_split, 'thread')} a column"
+        + (" (the calls of few requests)" if key_split > 1 else ""),
     )
     # Streaming decode (templates/common/decode_stream.py.j2), for calls with many (request, value head)
     # items: a persistent CTA an SM whose loader warp bulk-copies the items' states into a ring as deep as
