@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from kdagen.kernels.decode_ring import partial_sum
+from kdagen.kernels.decode_ring import partial_sum, warp_sum
 from kdagen.kernels.gate import decay, log_decay
 
 __all__ = [
-    "ItemConfig", "key_of", "load_column", "store_column", "load_token", "stage_token", "column_step",
+    "ItemConfig", "key_of", "load_column", "store_column", "token_registers", "load_gate_bias", "load_token",
+    "stage_token", "column_step",
 ]
 
 
@@ -113,20 +114,11 @@ def store_column(rS: cute.Tensor, mPool: cute.Tensor, slot, hv, j, p, cfg: cutla
 
 
 @cute.jit
-def _column_sum(x: cutlass.Float32, cfg: cutlass.Constexpr) -> cutlass.Float32:
-    # x summed over the column's key_split adjacent lanes, in each of them.
-    for off in cutlass.range_constexpr(cfg.key_split.bit_length() - 1):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
-    return x
-
-
-@cute.jit
 def _block_sums(a, b, sRed: cute.Tensor, lane, w, cfg: cutlass.Constexpr):
     # (sum of a, sum of b) over the CTA's threads: butterflies in each warp, then every thread adds the
     # warps' partial sums from shared memory. The caller orders the reads of sRed before its next write.
-    for off in cutlass.range_constexpr(5):
-        a = a + cute.arch.shuffle_sync_bfly(a, offset=1 << off)
-        b = b + cute.arch.shuffle_sync_bfly(b, offset=1 << off)
+    a = warp_sum(a)
+    b = warp_sum(b)
     if lane == 0:
         sRed[w] = a
         sRed[cfg.warps + w] = b
@@ -137,6 +129,27 @@ def _block_sums(a, b, sRed: cute.Tensor, lane, w, cfg: cutlass.Constexpr):
         sa = sa + sRed[i]
         sb = sb + sRed[cfg.warps + i]
     return sa, sb
+
+
+@cute.jit
+def token_registers(qk_dtype: cutlass.Constexpr, g_dtype: cutlass.Constexpr, cfg: cutlass.Constexpr):
+    """A token's inputs in registers between their load and their staging: q, k and gate elements (as
+    stored), v and beta (fp32, `rVB`), and the gate's bias per key (fp32, zero until `load_gate_bias`)."""
+    rQ = cute.make_rmem_tensor(cute.make_layout((cfg.rounds,)), qk_dtype)
+    rK = cute.make_rmem_tensor(cute.make_layout((cfg.rounds,)), qk_dtype)
+    rG = cute.make_rmem_tensor(cute.make_layout((cfg.rounds,)), g_dtype)
+    rVB = cute.make_rmem_tensor(cute.make_layout((2,)), cutlass.Float32)
+    rDt = cute.make_rmem_tensor(cute.make_layout((cfg.rounds,)), cutlass.Float32)
+    rDt.fill(0.0)
+    return rQ, rK, rG, rVB, rDt
+
+
+@cute.jit
+def load_gate_bias(mDtBias: cute.Tensor, hv, tidx, rDt: cute.Tensor, cfg: cutlass.Constexpr):
+    """The gate's bias of value head hv at this thread's keys (tidx, tidx + threads, ...) into `rDt`."""
+    for e0 in cutlass.range_constexpr(0, cfg.k, cfg.threads):
+        if e0 + tidx < cfg.k:
+            rDt[e0 // cfg.threads] = mDtBias[hv, e0 + tidx]
 
 
 @cute.jit
@@ -200,10 +213,10 @@ def column_step(rS: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sD: cute.Tens
         i = key_of(r, p, cfg)
         rS[r] = rS[r] * sD[i]
         dots[r % cfg.partial_sums] = dots[r % cfg.partial_sums] + sK[i] * rS[r]
-    u = b * (vj - _column_sum(partial_sum(dots), cfg))
+    u = b * (vj - warp_sum(partial_sum(dots), cfg.key_split))
     accs = [cutlass.Float32(0.0)] * cfg.partial_sums
     for r in cutlass.range_constexpr(cfg.keys):
         i = key_of(r, p, cfg)
         rS[r] = rS[r] + sK[i] * u
         accs[r % cfg.partial_sums] = accs[r % cfg.partial_sums] + sQ[i] * rS[r]
-    return _column_sum(partial_sum(accs), cfg)
+    return warp_sum(partial_sum(accs), cfg.key_split)

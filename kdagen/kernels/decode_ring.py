@@ -72,9 +72,10 @@ def partial_sum(parts: list) -> cutlass.Float32:
 
 
 @cute.jit
-def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
-    """`x` summed over the warp, in every lane (butterflies)."""
-    for off in cutlass.range_constexpr(5):
+def warp_sum(x: cutlass.Float32, lanes: cutlass.Constexpr = 32) -> cutlass.Float32:
+    """`x` summed over each group of `lanes` adjacent lanes (a power of 2; 32: the warp), in every lane of
+    the group (butterflies)."""
+    for off in cutlass.range_constexpr(lanes.bit_length() - 1):
         x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
     return x
 
