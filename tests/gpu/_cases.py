@@ -278,3 +278,13 @@ def packed_projections(inp: dict[str, Any], shift: int = 0) -> dict[str, Any]:
     out["beta"].copy_(beta)
     out["buffers"] = (qkv, gate)
     return out
+
+
+def decode_pool(spec: dict[str, Any], slots: int, hv: int, interleave: int = 1) -> torch.Tensor:
+    """A random state pool in the spec's layout and state dtype whose slots are `interleave` slot sizes apart
+    (as when layers share one allocation)."""
+    k, v = spec["head_dim_k"], spec["head_dim_v"]
+    inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
+    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
+    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=dtype)
+    return base[:, 0]

@@ -86,15 +86,6 @@ def _call(kernel: Any, inp: dict[str, Any], **kw: Any) -> torch.Tensor:
     )
 
 
-def _pool(spec: dict[str, Any], slots: int, hv: int, interleave: int = 1) -> torch.Tensor:
-    """A pool whose slots are `interleave` slot sizes apart (as when layers share one allocation)."""
-    k, v = spec["head_dim_k"], spec["head_dim_v"]
-    inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
-    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=dtype)
-    return base[:, 0]
-
-
 @pytest.mark.parametrize("spec_name", DECODE_SPECS)
 @pytest.mark.parametrize("interleave", [1, 3])
 def test_decode_step_on_a_pool(spec_name: str, interleave: int) -> None:
@@ -103,7 +94,7 @@ def test_decode_step_on_a_pool(spec_name: str, interleave: int) -> None:
     n, h = 6, 2
     hv = h * spec["gva_ratio"]
     inp = _inputs(spec, n, 1, h, seed=11)
-    pool = _pool(spec, 16, hv, interleave)
+    pool = cases.decode_pool(spec, 16, hv, interleave)
     idx = torch.tensor([3, 9, -1, 0, 15, 7], dtype=torch.int64, device="cuda")  # one padding entry
     before = pool.clone()
     h0 = torch.stack([pool[max(int(i), 0)] for i in idx.tolist()])
@@ -129,7 +120,7 @@ def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, ac
     n, s, h = 3, 4, 2
     hv = h * spec["gva_ratio"]
     inp = _inputs(spec, n, s, h, seed=5)
-    pool = _pool(spec, 4 * n + 2, hv)
+    pool = cases.decode_pool(spec, 4 * n + 2, hv)
     idx = torch.arange(4 * n, device="cuda", dtype=torch.int32).view(n, 4)  # request r owns slots 4r..4r+3
     acc = torch.tensor(accepted, dtype=torch.int32, device="cuda")
     h0 = torch.stack([pool[int(idx[r, a - 1])] for r, a in enumerate(accepted)])
@@ -151,7 +142,7 @@ def test_output_only_verify_and_fresh_requests() -> None:
     kernel = cases.kernel_for("lb_safe")
     n, s, h = 4, 3, 2
     inp = _inputs(spec, n, s, h, seed=8)
-    pool = _pool(spec, 8, h)
+    pool = cases.decode_pool(spec, 8, h)
     before = pool.clone()
     idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]], dtype=torch.int32, device="cuda")
     fresh = torch.tensor([True, False, True, False], device="cuda")  # has_initial_state
@@ -169,7 +160,7 @@ def test_256_consecutive_steps(spec_name: str) -> None:
     kernel = cases.kernel_for(spec_name)
     n, steps, h = 3, 256, 2
     inp = _inputs(spec, n, steps, h, seed=21)
-    pool = _pool(spec, n, h * spec["gva_ratio"])
+    pool = cases.decode_pool(spec, n, h * spec["gva_ratio"])
     h0 = pool.clone()
     idx = torch.arange(n, dtype=torch.int32, device="cuda")
     outs = []
@@ -235,7 +226,7 @@ def test_bad_decode_arguments_are_refused_before_any_launch() -> None:
     spec = cases.SPECS["lb_safe"]
     kernel = cases.kernel_for("lb_safe")
     inp = _inputs(spec, 2, 1, 2, seed=1)
-    pool = _pool(spec, 4, 2)
+    pool = cases.decode_pool(spec, 4, 2)
     idx = torch.zeros(2, dtype=torch.int32, device="cuda")
     with pytest.raises(InputError, match="state_pool: expected dtype torch.float32"):
         _call(kernel, inp, state_pool=pool.half(), state_indices=idx)
@@ -287,7 +278,7 @@ def test_decode_takes_slices_of_packed_projections(spec_name: str, monkeypatch: 
     hv = h * spec["gva_ratio"]
     inp = _inputs(spec, n, s, h, seed=9)
     idx = torch.arange(n * s, dtype=torch.int32, device="cuda").view(n, s)
-    pool_a = _pool(spec, n * s + 1, hv)
+    pool_a = cases.decode_pool(spec, n * s + 1, hv)
     pool_b = pool_a.clone()
     o_a = _call(kernel, inp, state_pool=pool_a, state_indices=idx)
     packed = cases.packed_projections(inp)

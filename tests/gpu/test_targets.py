@@ -77,10 +77,7 @@ def test_wide_decode_runs_on_sm90a(name: str, spec_obj: KernelSpec, tokens: int)
     n, h = 5, 2
     hv = h * spec["gva_ratio"]
     inp = cases.build_inputs(spec, cases.F(n, tokens, h, init=True, seed=21))
-    k, v = spec["head_dim_k"], spec["head_dim_v"]
-    inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    pool = torch.randn(8, *inner, device="cuda",
-                       dtype=torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32)
+    pool = cases.decode_pool(spec, 8, hv)
     before = pool.clone()
     idx = torch.tensor([6, -1, 0, 3, 7], dtype=torch.int32, device="cuda")
     h0 = torch.stack([pool[max(int(i), 0)] for i in idx.tolist()])
