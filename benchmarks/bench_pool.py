@@ -12,6 +12,10 @@ each continuing from a random slot of a pool of 2N + 1 slots. Columns (CUDA-grap
   second part of the pool) and its overhead over `pool`.
 
     PYTHONPATH=. python benchmarks/bench_pool.py [--spec specs/sm90.yaml:k128] [--quick] [--out DIR]
+        [--policy fused=off ...]
+
+``--policy KEY=VALUE`` sets a field of the kernel's `kdagen.policy.SchedulePolicy` for every call (e.g.
+``fused=off`` times the two-stage path where the fused kernel would run).
 
 Output: a table on stdout and JSON + Markdown in `benchmarks/out/` (git-ignored).
 """
@@ -84,15 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="specs/sm90.yaml:k128", help="kdagen spec reference (file.yaml:name)")
     ap.add_argument("--quick", action="store_true", help="three rows")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="scheduling policy fields for every call, e.g. fused=off")
     args = ap.parse_args(argv)
 
     import kdagen
 
     card = bench_fwd.detect_card(None, None)
     kernel = kdagen.get_kernel(args.spec)
+    policy = dict(kv.split("=", 1) for kv in args.policy)
+    if policy:
+        kernel = kernel.with_policy(policy)
     spec = kernel.spec
     rows = []
-    print(f"{card.name}: {args.spec}, CUDA-graph replay device time (us)")
+    shown = " ".join(args.policy) or "default policy"
+    print(f"{card.name}: {args.spec} ({shown}), CUDA-graph replay device time (us)")
     print(f"{'HV':>3} {'N':>3} {'T':>5} {'pool':>9} {'gath+scat':>9} {'speedup':>8} {'pool+ckpt':>9} "
           f"{'ckpt +%':>8}")
     with torch.no_grad():
@@ -110,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    meta = {"card": card.name, "spec": args.spec, "date": stamp, "checkpoint_interval": CHECKPOINT_INTERVAL}
+    meta = {"card": card.name, "spec": args.spec, "date": stamp, "checkpoint_interval": CHECKPOINT_INTERVAL,
+            "policy": policy}
     (args.out / f"pool-{card.slug}-{stamp}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Prefill on a state pool ({card.name}, {args.spec})", "",
+    lines = [f"# Prefill on a state pool ({card.name}, {args.spec}, {shown})", "",
              "| HV | N | T | pool us | gather+scatter us | speedup | pool+ckpt us | checkpoints |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['hv']} | {r['n']} | {r['t']} | {r['pool_us']:.1f} | {r['gather+scatter_us']:.1f} | "

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-__all__ = ["global_address", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait_read"]
+__all__ = ["global_address", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait_read", "bulk_wait_all"]
 
 
 @cute.jit
@@ -61,4 +61,12 @@ def bulk_commit(*, loc=None, ip=None):
 def bulk_wait_read(*, loc=None, ip=None):
     """Wait until every committed bulk group has read its source shared memory."""
     llvm.inline_asm(None, [], "cp.async.bulk.wait_group.read 0;", "", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def bulk_wait_all(*, loc=None, ip=None):
+    """Wait until every committed bulk group has completed: its writes are done and visible to this thread,
+    so that a later store to the same addresses lands after them."""
+    llvm.inline_asm(None, [], "cp.async.bulk.wait_group 0;", "", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

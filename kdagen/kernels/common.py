@@ -222,7 +222,7 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
                     mCk: cute.Tensor, seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
                     step: cutlass.Int32, rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32,
                     ck_slot: cutlass.Int32, every: cutlass.Int32, bv: cutlass.Constexpr,
-                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr):
+                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr, staging=None):
     # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
     # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 .. v0 + bv, partitioned by
     # the MMA slice `thr_s`) goes to its slot `ck_slot`, and the next checkpoint is `every` steps on. The
@@ -230,10 +230,17 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
     # states entering its tiles, which it reads in that type, so half the bytes of fp32 go either way).
     # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
     # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
-    # compare a step otherwise. Returns (ck_next, ck_m, ck_slot): the caller rebinds them in its step loop.
+    # compare a step otherwise. With `staging` (a `StagedStores`: sm_90 and later), the tile goes through
+    # shared memory and bulk copies (`kdagen.kernels.state_copy`), off the chain. Returns (ck_next, ck_m,
+    # ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
         if ck_slot >= 0:
-            if to_tiles != 0:
+            if cutlass.const_expr(staging is not None):
+                if to_tiles != 0:
+                    staging.store(thr_s, acc_s, mTs, ck_slot, hv, v0)
+                else:
+                    staging.store(thr_s, acc_s, mHt, ck_slot, hv, v0)
+            elif to_tiles != 0:
                 store_state_tile(thr_s, acc_s, mTs, ck_slot, hv, v0, bv, kv_layout)
             else:
                 store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
