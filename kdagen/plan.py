@@ -258,25 +258,27 @@ def _fused_smem_bytes(
     return stages * stage + prep_warps * per_warp + 2 * stages * 8 + queue + 4 * 1024
 
 
-def _recurrence_smem_bytes(spec: KernelSpec, stages: int) -> int:
-    """Shared memory of one wgmma recurrence CTA (templates/wgmma/recurrence.py.j2) before its staging
-    buffer: the ring (kd, qd, Ak, Aq, the V-slice of v, gt a stage), its barriers and the 1 KB alignment of
-    the four wgmma images."""
-    k, bv = spec.head_dim_k, min(BLOCK_V, spec.head_dim_v)
-    stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * bv * 2 + k * 4
-    return stages * stage + 2 * stages * 8 + 4 * 1024
+# Bulk-copied state stores (`kdagen.kernels.state_copy`) in at most this many rounds: each round after the
+# first waits for the copies before it to have read the buffer, i.e. for the SM's stores to drain, on the
+# chain (H200, `bench_pool.py`: fp32 checkpoints in four rounds cost the fused kernel +36-40% against +17-23%
+# stored from the accumulators, bf16 ones in two +12-15% against +18-22%).
+STAGING_MAX_ROUNDS = 2
 
 
-def _staging_rounds(spec: KernelSpec, free: int, buffers: int) -> int:
-    """Rounds of the bulk-copied state stores (`kdagen.kernels.state_copy`) of a kernel with `free` bytes of
-    shared memory left and `buffers` consumer warpgroups: the fewest whose staging buffers fit, for the state
-    dtype (checkpoints, final states) and the MMA type (the backward's tile states); 0 for none, and where
-    the target has no bulk copies."""
-    if not spec.arch_info.has_bulk_copy:
-        return 0
-    widths = (8 * nbytes(spec.state_dtype), 8 * nbytes(spec.dtype))
-    return staging_shape.staging_rounds(free, buffers, widths, min(BLOCK_V, spec.head_dim_v), spec.head_dim_k,
-                                        spec.state_layout == "kv")
+def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
+    """The fused kernel's bulk-copied state stores, with `free` bytes of shared memory left and `buffers`
+    consumer warpgroups: which stores take them (the pool's: checkpoints and final states, in the state dtype;
+    the backward's tile states, in the MMA type) and in how many rounds; each kind takes them where its
+    buffers fit in at most STAGING_MAX_ROUNDS rounds, and the buffer is sized for the widest kind that does.
+    None where the target has no bulk copies."""
+    kinds = {"staged_pool": 8 * nbytes(spec.state_dtype), "staged_tiles": 8 * nbytes(spec.dtype)}
+    bv, k, kv = min(BLOCK_V, spec.head_dim_v), spec.head_dim_k, spec.state_layout == "kv"
+    rounds = {name: staging_shape.staging_rounds(free, buffers, (width,), bv, k, kv)
+              if spec.arch_info.has_bulk_copy else 0 for name, width in kinds.items()}
+    staged = {name: 0 < r <= STAGING_MAX_ROUNDS for name, r in rounds.items()}
+    widths = tuple(kinds[name] for name in kinds if staged[name])
+    return {**staged, "staging_rounds": staging_shape.staging_rounds(free, buffers, widths, bv, k, kv)
+            if widths else 0}
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:
@@ -400,12 +402,6 @@ def make_plan(spec: KernelSpec) -> Plan:
     if family == "wgmma":
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
-        # Its state stores go through a staging buffer and bulk copies, in as few rounds as leave an SM room
-        # for it beside the prepare CTAs that share the SM with it.
-        prepare_cta = heads * _prepare_warp_smem(spec) + 1024
-        free = (spec.arch_info.smem_bytes_per_block + 1024 - (beside if pdl else 0) * prepare_cta
-                - _recurrence_smem_bytes(spec, seq_params["stages"]) - 1024)
-        seq_params["staging_rounds"] = _staging_rounds(spec, free, 1)
     # The recurrence is compiled into `forward` (below), not launched on its own.
     recurrence = StagePlan(
         "recurrence",
@@ -452,8 +448,8 @@ def make_plan(spec: KernelSpec) -> Plan:
             "pair": False,
             # The state stores' staging: a buffer for each of its V / 64 consumer warpgroups, in the shared
             # memory the ring and the prepare warps leave.
-            "staging_rounds": _staging_rounds(spec, spec.arch_info.smem_bytes_per_block
-                                              - _fused_smem_bytes(spec), spec.head_dim_v // BLOCK_V),
+            **_staging(spec, spec.arch_info.smem_bytes_per_block - _fused_smem_bytes(spec),
+                       spec.head_dim_v // BLOCK_V),
         },
         compiled=False,
         note=f"prepare and the recurrence in one persistent kernel: {FUSED_PREP_WARPS} prepare warps, "
@@ -464,8 +460,8 @@ def make_plan(spec: KernelSpec) -> Plan:
         "fused_pair",
         "wgmma/fused.py.j2",
         {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps,
-         "staging_rounds": _staging_rounds(spec, spec.arch_info.smem_bytes_per_block
-                                           - _fused_smem_bytes(spec, FUSED_PAIR_STAGES, pair_warps or 1), 1)},
+         **_staging(spec, spec.arch_info.smem_bytes_per_block
+                    - _fused_smem_bytes(spec, FUSED_PAIR_STAGES, pair_warps or 1), 1)},
         compiled=False,
         note=f"the fused kernel with a CTA pair a chain: {pair_warps} prepare warps a CTA, "
         f"{FUSED_PAIR_STAGES} ring stages",

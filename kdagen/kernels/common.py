@@ -230,18 +230,18 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
     # states entering its tiles, which it reads in that type, so half the bytes of fp32 go either way).
     # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
     # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
-    # compare a step otherwise. With `staging` (a `StagedStores`: sm_90 and later), the tile goes through
-    # shared memory and bulk copies (`kdagen.kernels.state_copy`), off the chain. Returns (ck_next, ck_m,
-    # ck_slot): the caller rebinds them in its step loop.
+    # compare a step otherwise. With `staging` (a `state_copy.StagedStores`: sm_90 and later), the kinds of
+    # store it takes go through shared memory and bulk copies, which drain off the chain. Returns (ck_next,
+    # ck_m, ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
         if ck_slot >= 0:
-            if cutlass.const_expr(staging is not None):
-                if to_tiles != 0:
+            if to_tiles != 0:
+                if cutlass.const_expr(staging is not None and staging.tiles):
                     staging.store(thr_s, acc_s, mTs, ck_slot, hv, v0)
                 else:
-                    staging.store(thr_s, acc_s, mHt, ck_slot, hv, v0)
-            elif to_tiles != 0:
-                store_state_tile(thr_s, acc_s, mTs, ck_slot, hv, v0, bv, kv_layout)
+                    store_state_tile(thr_s, acc_s, mTs, ck_slot, hv, v0, bv, kv_layout)
+            elif cutlass.const_expr(staging is not None and staging.pool):
+                staging.store(thr_s, acc_s, mHt, ck_slot, hv, v0)
             else:
                 store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
         ck_m = ck_m + 1

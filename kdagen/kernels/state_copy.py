@@ -123,8 +123,10 @@ def bulk_store_state_tile(thr_s, acc_s: cute.Tensor, buf, mS: cute.Tensor, slot:
 class StagedStores:
     """A kernel's staged state stores: its staging buffer (`buf`, a shared-memory pointer of at least
     `staging_shape.staging_bytes` for every dtype it stores, in `rounds`), this thread's index `t` among the
-    `threads` that store, their named barrier, and the tile's shape. `common.checkpoint_step` takes one for
-    its checkpoints; the kernel stores its final state with `store` as well."""
+    `threads` that store, their named barrier, the tile's shape, and which stores take the buffer: the pool's
+    (`pool`: checkpoints and final states) and the backward's tile states (`tiles`); the others are stored
+    from the accumulators. `common.checkpoint_step` takes one for its checkpoints; the kernel stores its final
+    state with `store` where `pool`."""
 
     buf: Any
     t: Any
@@ -133,7 +135,9 @@ class StagedStores:
     bv: int
     k: int
     kv_layout: bool
-    rounds: int = 1
+    rounds: int
+    pool: bool
+    tiles: bool
 
     def store(self, thr_s, acc_s, mS, slot, hv, v0):
         bulk_store_state_tile(thr_s, acc_s, self.buf, mS, slot, hv, v0, self.t, self.threads, self.barrier_id,
