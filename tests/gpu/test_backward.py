@@ -157,6 +157,26 @@ def test_gradients_with_intracard_cp(spec_name: str, case: Case, seg: int,
     assert calls == ["prescan", "merge", "segments"], calls  # the reverse scan ran in segments
 
 
+# The tile states of the backward's forward from the fused kernel (bulk-copied through shared memory,
+# kdagen.kernels.state_copy), in one CTA a chain and in CTA pairs: the fused forward is the two-stage one bit
+# for bit, so the gradients must be too.
+FUSED_TILES = [
+    ("lb_safe", F(2, 1000, 2, init=True), "off"),
+    ("lb_safe", VL((0, 0, 1, 64, 65, 130, 700), 2, init=True), "on"),
+    ("lb_safe_sbf16", F(1, 900, 2, init=True), "off"),
+]
+
+
+@pytest.mark.parametrize(("spec_name", "case", "pair"), FUSED_TILES,
+                         ids=[f"{n}-{c.id}-pair_{p}" for n, c, p in FUSED_TILES])
+def test_tile_states_from_the_fused_kernel(spec_name: str, case: Case, pair: str) -> None:
+    spec = SPECS[spec_name]
+    fused, _ = _grads(spec, case, recompute=True, policy=SchedulePolicy(fused="on", fused_pair=pair))
+    two_stage, _ = _grads(spec, case, recompute=True, policy=SchedulePolicy(fused="off"))
+    for n in two_stage:
+        assert torch.equal(fused[n], two_stage[n]), n
+
+
 SAVED = [("lb_safe", c) for c in CASES["lb_safe"][:4]] + [("p_reset_vk_bbf16", CASES["p_reset_vk_bbf16"][1])]
 
 

@@ -51,7 +51,8 @@ def _layers(spec: dict[str, Any], slots: int, hv: int) -> tuple[torch.Tensor, to
     """(all layers, this layer's pool): [slots, LAYERS, HV, ...] and its [:, 1] view (slot stride 3 slots)."""
     k, v = spec["head_dim_k"], spec["head_dim_v"]
     inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    base = torch.randn(slots, LAYERS, *inner, device="cuda", dtype=torch.float32) * 0.5
+    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
+    base = (torch.randn(slots, LAYERS, *inner, device="cuda", dtype=torch.float32) * 0.5).to(dtype)
     return base, base[:, 1]
 
 
@@ -250,6 +251,12 @@ CHECKPOINTS = [
     ("p_reset_vk_bbf16", "mma_sync", None, 48),
     ("p_reset_vk_bbf16", "auto", SchedulePolicy(intracard_cp=64), 32),
     ("lb_safe", "auto", SchedulePolicy(intracard_cp=128), 48),
+    # The fused kernels' bulk-copied pool stores (kdagen.kernels.state_copy): an fp32 pool in two rounds (bf16
+    # g leaves the room), a bf16 one in one CTA and in CTA pairs, K = 64 in one round.
+    ("lb_safe_gbf16", "auto", SchedulePolicy(fused="on", fused_pair="off"), 64),
+    ("lb_safe_sbf16", "auto", SchedulePolicy(fused="on", fused_pair="off"), 16),
+    ("lb_safe_sbf16", "auto", SchedulePolicy(fused="on"), 48),
+    ("lb_safe_gva4_k64v64", "auto", SchedulePolicy(fused="on"), 32),
 ]
 
 
