@@ -260,8 +260,8 @@ def _fused_smem_bytes(
 
 # Bulk-copied state stores (`kdagen.kernels.state_copy`) in at most this many rounds: each round after the
 # first waits for the copies before it to have read the buffer, i.e. for the SM's stores to drain, on the
-# chain (H200, `bench_pool.py`: fp32 checkpoints in four rounds cost the fused kernel +36-40% against +17-23%
-# stored from the accumulators, bf16 ones in two +12-15% against +18-22%).
+# chain; four rounds cost more than stores from the accumulators, two less (docs/experiments.md, "State
+# stores through shared memory and bulk copies").
 STAGING_MAX_ROUNDS = 2
 
 

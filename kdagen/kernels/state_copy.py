@@ -8,7 +8,8 @@ on while the copies drain. The buffer is written again only after every thread's
 it.
 
 A kernel short of shared memory stages a tile in `rounds`, each a range of K / rounds keys: the buffer holds
-one round, and each round waits for the copies of the one before to have read it.
+one round, and each round waits for the copies of the one before to have read it (which is why the planner
+allows few: docs/experiments.md, "State stores through shared memory and bulk copies").
 
 The staging rows are the slot's contiguous rows: with the K-first layout a key's `bv` values of the V-slice,
 with the V-first one a value row's keys of the round. Each row is padded so that the accumulators' stores hit
