@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kdagen.dtypes import nbytes
 from kdagen.policy import decode_parts, decode_streams
 from kdagen.runtime import (
     _check_no_grad,
@@ -203,7 +204,8 @@ def run_decode(
     with kernel._stream_scope(device):
         sms = kernel._sm_count(device)
         v_first, tokens = spec.state_layout == "vk", seqlen if cu_seqlens is None else 0
-        if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, v_first, tokens, kernel.policy):
+        if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, v_first, tokens, kernel.policy,
+                          8 * nbytes(spec.state_dtype)):
             parts = decode_parts(nreq * hv, sms, vdim, v_first, tokens)
             kernel._decode_stream(*args, parts, min(nreq * hv * parts, sms))
         else:

@@ -65,9 +65,12 @@ _ORDER = ("auto", "length", "input")
 # Most value parts a streaming-decode item splits into (`decode_parts`): 16 value columns a part at V = 128.
 DECODE_MAX_PARTS = 8
 # Where "auto" takes the per-item decode stage's narrow CTAs over the streaming grid (`decode_streams`): a
-# K-first state up to this many items (request, value head) an SM; a V-first one up to this many items an
-# SM at one token a request, and at every size from two tokens.
+# K-first state up to this many items (request, value head) an SM, and an fp32 one up to
+# DECODE_PER_ITEM_KV_LONG items an SM from DECODE_LONG_TOKENS tokens a request; a V-first one up to
+# DECODE_PER_ITEM_VK items an SM at one token a request, and at every size from two tokens.
 DECODE_PER_ITEM_KV = 1
+DECODE_PER_ITEM_KV_LONG = 2
+DECODE_LONG_TOKENS = 4
 DECODE_PER_ITEM_VK = 16
 
 
@@ -483,14 +486,17 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
 
 
 def decode_streams(has_stage: bool, items: int, sms: int, v_first: bool, tokens: int,
-                   policy: SchedulePolicy = AUTO) -> bool:
+                   policy: SchedulePolicy = AUTO, state_bits: int = 32) -> bool:
     """Whether a decode call of `items` (request, value head) items on `sms` SMs runs the streaming decode
     stage (a persistent grid) rather than one CTA an item; `has_stage`: the variant has it (targets with
     bulk copies, whose per-item stage has narrow CTAs); `tokens`: a request's tokens ([N, S] calls; 0:
-    packed, taken as one). "auto" streams where the variant can, but where the per-item stage's narrow CTAs
-    were faster on an H200 (docs/experiments.md, "Decode: narrow CTAs for few requests"): a K-first state
-    at most `DECODE_PER_ITEM_KV` items an SM (one request: its state spread over many SMs, a short chain of
-    round trips; the streaming grid's bulk copies win from there); a V-first one at most
+    packed, taken as one); `state_bits`: the state dtype's width. "auto" streams where the variant can, but
+    where the per-item stage's narrow CTAs were faster on an H200 (docs/experiments.md, "Decode: narrow CTAs
+    for few requests"): a K-first state at most `DECODE_PER_ITEM_KV` items an SM (one request: its state
+    spread over many SMs, a short chain of round trips; the streaming grid's bulk copies win from there),
+    an fp32 one at most `DECODE_PER_ITEM_KV_LONG` from `DECODE_LONG_TOKENS` tokens a request (there the
+    per-item chain was still the faster at two items an SM, a bf16 state's streaming grid far ahead of
+    it); a V-first one at most
     `DECODE_PER_ITEM_VK` items an SM for a token a request and at every size for more (its rows load as
     vectors, where the streaming grid's consumers read them across banks)."""
     if not has_stage or policy.decode_stream == "off":
@@ -499,4 +505,6 @@ def decode_streams(has_stage: bool, items: int, sms: int, v_first: bool, tokens:
         return True
     if v_first:
         return tokens <= 1 and items > DECODE_PER_ITEM_VK * sms
+    if state_bits == 32 and tokens >= DECODE_LONG_TOKENS:
+        return items > DECODE_PER_ITEM_KV_LONG * sms
     return items > DECODE_PER_ITEM_KV * sms

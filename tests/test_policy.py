@@ -441,18 +441,27 @@ def test_fit_ranks_constants_by_the_check():
 
 @pytest.mark.parametrize(("has_stage", "toggle", "items", "v_first", "tokens", "expected"),
                          [(True, "auto", 1000, False, 1, True), (True, "auto", 132, False, 8, False),
-                          (True, "auto", 133, False, 8, True), (True, "auto", 2112, True, 1, False),
+                          (True, "auto", 133, False, 1, True), (True, "auto", 2112, True, 1, False),
                           (True, "auto", 2113, True, 1, True), (True, "auto", 2113, True, 0, True),
                           (True, "auto", 100000, True, 2, False), (True, "on", 1, False, 1, True),
                           (True, "on", 1, True, 8, True), (True, "off", 100000, True, 1, False),
-                          (False, "auto", 1000, False, 1, False), (False, "on", 1000, True, 1, False)])
+                          (False, "auto", 1000, False, 1, False), (False, "on", 1000, True, 1, False),
+                          (True, "auto", 264, False, 4, False), (True, "auto", 265, False, 4, True),
+                          (True, "auto", 264, False, 3, True), (True, "auto", 133, False, 2, True)])
 def test_decode_streams_where_the_variant_has_the_stage(has_stage: bool, toggle: str, items: int,
                                                         v_first: bool, tokens: int, expected: bool):
     # "auto" takes the streaming decode where the variant has it, but for K-first calls of at most one item
-    # an SM (132 SMs here) and V-first ones of at most 16 items an SM at one token a request (0: packed) or
-    # of any size with more; "on" wherever the variant has it; "off" the per-item stage.
+    # an SM (132 SMs here), or two with an fp32 state from four tokens a request, and V-first ones of at
+    # most 16 items an SM at one token a request (0: packed) or of any size with more; "on" wherever the
+    # variant has it; "off" the per-item stage.
     assert decode_streams(has_stage, items, 132, v_first, tokens, SchedulePolicy(decode_stream=toggle)) \
         is expected
+
+
+@pytest.mark.parametrize(("items", "tokens", "expected"), [(132, 8, False), (133, 8, True), (264, 4, True)])
+def test_decode_streams_a_bf16_state_from_one_item_an_sm(items: int, tokens: int, expected: bool):
+    # A bf16 K-first state streams from one item an SM at any token count: there its grid was the faster.
+    assert decode_streams(True, items, 132, False, tokens, state_bits=16) is expected
 
 
 def test_decode_stream_override_is_read_from_the_environment():
