@@ -281,6 +281,16 @@ def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
             if widths else 0}
 
 
+def _staging_note(params: dict[str, Any]) -> str:
+    """The stage note's words on its staged state stores (`_staging`)."""
+    kinds = [name for key, name in (("staged_pool", "the pool's states"), ("staged_tiles", "tile states"))
+             if params.get(key)]
+    if not kinds:
+        return ""
+    rounds = params["staging_rounds"]
+    return f"; {' and '.join(kinds)} bulk-copied from shared memory in {_count(rounds, 'round')}"
+
+
 def _has_fused(family: str, spec: KernelSpec) -> bool:
     """The fused kernel exists for the wgmma family with the safe gate, where one CTA fits the target's shared
     memory. Without the safe gate it builds and passes the GPU tests, but runs ~1.9x slower than the two-stage
@@ -434,37 +444,39 @@ def make_plan(spec: KernelSpec) -> Plan:
         + (", or the fused kernel" if fused else ""),
     )
     # The fused kernel, compiled into `forward` beside the two-stage path (its setup kernel picks one a call).
+    fused_params = {
+        **prepare.params,
+        "block_v": BLOCK_V,
+        "state_layout": spec.state_layout,
+        "prep_warps": FUSED_PREP_WARPS,
+        "stages": FUSED_STAGES,
+        "queue": FUSED_QUEUE,
+        "unroll_kb": FUSED_UNROLL_KB,
+        "pair": False,
+        # The state stores' staging: a buffer for each of its V / 64 consumer warpgroups, in the shared memory
+        # the ring and the prepare warps leave.
+        **_staging(spec, spec.arch_info.smem_bytes_per_block - _fused_smem_bytes(spec),
+                   spec.head_dim_v // BLOCK_V),
+    }
     fused_stage = StagePlan(
         "fused",
         "wgmma/fused.py.j2",
-        {
-            **prepare.params,
-            "block_v": BLOCK_V,
-            "state_layout": spec.state_layout,
-            "prep_warps": FUSED_PREP_WARPS,
-            "stages": FUSED_STAGES,
-            "queue": FUSED_QUEUE,
-            "unroll_kb": FUSED_UNROLL_KB,
-            "pair": False,
-            # The state stores' staging: a buffer for each of its V / 64 consumer warpgroups, in the shared
-            # memory the ring and the prepare warps leave.
-            **_staging(spec, spec.arch_info.smem_bytes_per_block - _fused_smem_bytes(spec),
-                       spec.head_dim_v // BLOCK_V),
-        },
+        fused_params,
         compiled=False,
         note=f"prepare and the recurrence in one persistent kernel: {FUSED_PREP_WARPS} prepare warps, "
-        f"{FUSED_STAGES} ring stages",
+        f"{FUSED_STAGES} ring stages" + _staging_note(fused_params),
     )
     # Its pair form (a CTA cluster a chain), compiled into `forward` too where the variant has it.
+    pair_params = {**fused_params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps,
+                   **_staging(spec, spec.arch_info.smem_bytes_per_block
+                              - _fused_smem_bytes(spec, FUSED_PAIR_STAGES, pair_warps or 1), 1)}
     pair_stage = StagePlan(
         "fused_pair",
         "wgmma/fused.py.j2",
-        {**fused_stage.params, "stages": FUSED_PAIR_STAGES, "pair": True, "prep_warps": pair_warps,
-         **_staging(spec, spec.arch_info.smem_bytes_per_block
-                    - _fused_smem_bytes(spec, FUSED_PAIR_STAGES, pair_warps or 1), 1)},
+        pair_params,
         compiled=False,
         note=f"the fused kernel with a CTA pair a chain: {pair_warps} prepare warps a CTA, "
-        f"{FUSED_PAIR_STAGES} ring stages",
+        f"{FUSED_PAIR_STAGES} ring stages" + _staging_note(pair_params),
     )
     # Intra-card context parallelism (fast-kda.md §D), used at run time when few long sequences leave most
     # SMs idle in the serial recurrence: segment maps, their merge, and the segment pass (after prepare).
