@@ -269,16 +269,14 @@ def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
     """The fused kernel's bulk-copied state stores, with `free` bytes of shared memory left and `buffers`
     consumer warpgroups: which stores take them (the pool's: checkpoints and final states, in the state dtype;
     the backward's tile states, in the MMA type) and in how many rounds; each kind takes them where its
-    buffers fit in at most STAGING_MAX_ROUNDS rounds, and the buffer is sized for the widest kind that does.
-    None where the target has no bulk copies."""
+    buffers fit in at most STAGING_MAX_ROUNDS rounds, and the buffer is sized for the widest kind that does
+    (the most rounds). None staged, in 0 rounds, where the target has no bulk copies."""
     kinds = {"staged_pool": 8 * nbytes(spec.state_dtype), "staged_tiles": 8 * nbytes(spec.dtype)}
     bv, k, kv = min(BLOCK_V, spec.head_dim_v), spec.head_dim_k, spec.state_layout == "kv"
-    rounds = {name: staging_shape.staging_rounds(free, buffers, (width,), bv, k, kv)
+    rounds = {name: staging_shape.staging_rounds(free, buffers, width, bv, k, kv)
               if spec.arch_info.has_bulk_copy else 0 for name, width in kinds.items()}
     staged = {name: 0 < r <= STAGING_MAX_ROUNDS for name, r in rounds.items()}
-    widths = tuple(kinds[name] for name in kinds if staged[name])
-    return {**staged, "staging_rounds": staging_shape.staging_rounds(free, buffers, widths, bv, k, kv)
-            if widths else 0}
+    return {**staged, "staging_rounds": max((rounds[n] for n in kinds if staged[n]), default=0)}
 
 
 def _staging_note(params: dict[str, Any]) -> str:

@@ -496,9 +496,8 @@ def decode_streams(has_stage: bool, items: int, sms: int, v_first: bool, tokens:
     spread over many SMs, a short chain of round trips; the streaming grid's bulk copies win from there),
     an fp32 one at most `DECODE_PER_ITEM_KV_LONG` from `DECODE_LONG_TOKENS` tokens a request (there the
     per-item chain was still the faster at two items an SM, a bf16 state's streaming grid far ahead of
-    it); a V-first one at most
-    `DECODE_PER_ITEM_VK` items an SM for a token a request and at every size for more (its rows load as
-    vectors, where the streaming grid's consumers read them across banks)."""
+    it); a V-first one at most `DECODE_PER_ITEM_VK` items an SM for a token a request and at every size
+    for more (its rows load as vectors, where the streaming grid's consumers read them across banks)."""
     if not has_stage or policy.decode_stream == "off":
         return False
     if policy.decode_stream == "on":

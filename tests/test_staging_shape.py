@@ -78,10 +78,10 @@ def test_rows_fit_and_align(width, kv, k, rounds):
 
 def test_rounds_are_the_fewest_that_fit():
     one = staging_bytes(32, 64, 128, True)
-    assert staging_rounds(one, 1, (32, 16), 64, 128, True) == 1
-    assert staging_rounds(one - 1, 1, (32, 16), 64, 128, True) == 2
-    assert staging_rounds(2 * one, 2, (32, 16), 64, 128, True) == 1
-    assert staging_rounds(0, 1, (32,), 64, 128, True) == 0
+    assert staging_rounds(one, 1, 32, 64, 128, True) == 1
+    assert staging_rounds(one - 1, 1, 32, 64, 128, True) == 2
+    assert staging_rounds(2 * one, 2, 32, 64, 128, True) == 1
+    assert staging_rounds(0, 1, 32, 64, 128, True) == 0
 
 
 @pytest.mark.parametrize("name", ["k128", "k128-vk", "k128-sbf16", "k128-gbf16", "k64"])

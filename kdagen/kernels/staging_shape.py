@@ -49,13 +49,12 @@ def staging_bytes(width: int, bv: int, k: int, kv_layout: bool, rounds: int = 1)
     return staging_rows(bv, k, kv_layout, rounds) * pitch * width // 8
 
 
-def staging_rounds(free_bytes: int, buffers: int, widths: tuple[int, ...], bv: int, k: int,
-                   kv_layout: bool) -> int:
-    """The fewest rounds (a power of two) in which `buffers` staging buffers, each for the widest of `widths`,
-    fit `free_bytes`; 0 where none fits (the kernel then stores from its accumulators)."""
+def staging_rounds(free_bytes: int, buffers: int, width: int, bv: int, k: int, kv_layout: bool) -> int:
+    """The fewest rounds (a power of two) in which `buffers` staging buffers of `width`-bit elements fit
+    `free_bytes`; 0 where none fits (the kernel then stores from its accumulators)."""
     rounds = 1
     while rounds <= MAX_ROUNDS and k % (8 * rounds) == 0:
-        if buffers * max(staging_bytes(w, bv, k, kv_layout, rounds) for w in widths) <= free_bytes:
+        if buffers * staging_bytes(width, bv, k, kv_layout, rounds) <= free_bytes:
             return rounds
         rounds *= 2
     return 0

@@ -53,11 +53,11 @@ def stage_state_round(thr_s, acc_s: cute.Tensor, buf, dtype: cutlass.Constexpr, 
     big = 4 * k
     pitch = staging_pitch(dtype.width, bv, k, kv_layout, rounds)
     seg = k // rounds
-    coords = accumulator_coords(thr_s.partition_C(cute.make_tensor(
-        cute.recast_ptr(buf, dtype=dtype), cute.make_layout((bv, k), stride=(1, big)))).layout,
+    base = cute.recast_ptr(buf, dtype=dtype)
+    coords = accumulator_coords(
+        thr_s.partition_C(cute.make_tensor(base, cute.make_layout((bv, k), stride=(1, big)))).layout,
         cute.size(acc_s), big)
     first = thr_s.partition_C(cute.make_identity_tensor((bv, k)))[0]
-    base = cute.recast_ptr(buf, dtype=dtype)
     if cutlass.const_expr(kv_layout):
         at = cute.make_tensor(base + (first[1] * pitch + first[0]), cute.make_layout(seg * pitch))
         for i in cutlass.range_constexpr(cute.size(acc_s)):
