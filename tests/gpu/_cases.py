@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kdagen.dtypes import DTYPES
 from kdagen.reference import kda_recurrent_reference, make_inputs
 
 GPU_TOL = 0.005  # relative RMSE for o and the final state, bf16/fp16 kernel vs fp64 reference (kda-math §4.2)
@@ -214,8 +215,9 @@ def build_inputs(spec: dict[str, Any], case: Case, device: str = "cuda") -> dict
     )
     if case.no_a_log:
         inp["A_log"] = None
-    if spec.get("state_dtype", "fp32") == "bf16" and inp["initial_state"] is not None:
-        inp["initial_state"] = inp["initial_state"].to(torch.bfloat16)  # the reference reads the same values
+    if state_dtype(spec) != torch.float32 and inp["initial_state"] is not None:
+        # the reference reads the same values
+        inp["initial_state"] = inp["initial_state"].to(state_dtype(spec))
     return inp
 
 
@@ -280,11 +282,15 @@ def packed_projections(inp: dict[str, Any], shift: int = 0) -> dict[str, Any]:
     return out
 
 
+def state_dtype(spec: dict[str, Any]) -> torch.dtype:
+    """The torch dtype of the spec's state (a pool's, a kernel's initial and final states)."""
+    return getattr(torch, DTYPES[spec.get("state_dtype", "fp32")].torch)
+
+
 def decode_pool(spec: dict[str, Any], slots: int, hv: int, interleave: int = 1) -> torch.Tensor:
     """A random state pool in the spec's layout and state dtype whose slots are `interleave` slot sizes apart
     (as when layers share one allocation)."""
     k, v = spec["head_dim_k"], spec["head_dim_v"]
     inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
-    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=dtype)
+    base = torch.randn(slots, interleave, *inner, device="cuda", dtype=state_dtype(spec))
     return base[:, 0]

@@ -71,7 +71,7 @@ def _check_against_reference(spec_name: str, case: cases.Case, policy: ScheduleP
     assert_close("o", ref_o, o, TOL)
     if case.final:
         assert ht is not None, "ht: None although output_final_state=True"
-        want = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32  # the spec's
+        want = cases.state_dtype(spec)  # the spec's
         assert ht.dtype == want, f"ht: dtype {ht.dtype}, expected {want}"
         assert tuple(ht.shape) == tuple(ref_ht.shape), f"ht: shape {tuple(ht.shape)} ({spec['state_layout']})"
         assert_close("ht", ref_ht, ht, TOL)

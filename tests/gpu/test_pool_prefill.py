@@ -51,8 +51,8 @@ def _layers(spec: dict[str, Any], slots: int, hv: int) -> tuple[torch.Tensor, to
     """(all layers, this layer's pool): [slots, LAYERS, HV, ...] and its [:, 1] view (slot stride 3 slots)."""
     k, v = spec["head_dim_k"], spec["head_dim_v"]
     inner = (hv, k, v) if spec["state_layout"] == "kv" else (hv, v, k)
-    dtype = torch.bfloat16 if spec.get("state_dtype", "fp32") == "bf16" else torch.float32
-    base = (torch.randn(slots, LAYERS, *inner, device="cuda", dtype=torch.float32) * 0.5).to(dtype)
+    base = torch.randn(slots, LAYERS, *inner, device="cuda", dtype=torch.float32) * 0.5
+    base = base.to(cases.state_dtype(spec))
     return base, base[:, 1]
 
 
