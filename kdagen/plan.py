@@ -258,35 +258,37 @@ def _fused_smem_bytes(
     return stages * stage + prep_warps * per_warp + 2 * stages * 8 + queue + 4 * 1024
 
 
-# Bulk-copied state stores (`kdagen.kernels.state_copy`) in at most this many rounds: each round after the
-# first waits for the copies before it to have read the buffer, i.e. for the SM's stores to drain, on the
-# chain; four rounds cost more than stores from the accumulators, two less (docs/experiments.md, "State
-# stores through shared memory and bulk copies").
-STAGING_MAX_ROUNDS = 2
+# Staged state stores (`kdagen.kernels.state_copy`) in at most this many rounds: each round after the first
+# waits for the tensor copy before it to have read the buffer, on the chain. An fp32 pool beside the
+# six-stage ring takes four: checkpoints every 64 tokens +9.5-12.6% on an H200, against +17-18% stored from
+# the accumulators (docs/experiments.md, "Checkpoints: where the time goes, one tensor copy a round").
+STAGING_MAX_ROUNDS = 4
 
 
 def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
-    """The fused kernel's bulk-copied state stores, with `free` bytes of shared memory left and `buffers`
-    consumer warpgroups: which stores take them (the pool's: checkpoints and final states, in the state dtype;
-    the backward's tile states, in the MMA type) and in how many rounds; each kind takes them where its
-    buffers fit in at most STAGING_MAX_ROUNDS rounds, and the buffer is sized for the widest kind that does
-    (the most rounds). None staged, in 0 rounds, where the target has no bulk copies."""
-    kinds = {"staged_pool": 8 * nbytes(spec.state_dtype), "staged_tiles": 8 * nbytes(spec.dtype)}
+    """The fused kernel's staged state stores, with `free` bytes of shared memory left and `buffers`
+    consumer warpgroups: the rounds of each kind of store, the pool's (checkpoints and final states, in the
+    state dtype: `pool_rounds`) and the backward's tile states (in the MMA type: `tiles_rounds`), the fewest
+    in which `buffers` boxes fit, up to STAGING_MAX_ROUNDS; 0: stored from the accumulators (also where the
+    target has no TMA). The buffer takes the larger kind's box."""
+    free -= 1024  # the buffer's alignment (the swizzle's pattern)
     bv, k, kv = min(BLOCK_V, spec.head_dim_v), spec.head_dim_k, spec.state_layout == "kv"
-    rounds = {name: staging_shape.staging_rounds(free, buffers, width, bv, k, kv)
-              if spec.arch_info.has_bulk_copy else 0 for name, width in kinds.items()}
-    staged = {name: 0 < r <= STAGING_MAX_ROUNDS for name, r in rounds.items()}
-    return {**staged, "staging_rounds": max((rounds[n] for n in kinds if staged[n]), default=0)}
+
+    def rounds(width: int) -> int:
+        r = staging_shape.staging_rounds(free, buffers, width, bv, k, kv) if spec.arch_info.has_bulk_copy else 0
+        return r if r <= STAGING_MAX_ROUNDS else 0
+
+    return {"pool_rounds": rounds(8 * nbytes(spec.state_dtype)), "tiles_rounds": rounds(8 * nbytes(spec.dtype))}
 
 
 def _staging_note(params: dict[str, Any]) -> str:
     """The stage note's words on its staged state stores (`_staging`)."""
-    kinds = [name for key, name in (("staged_pool", "the pool's states"), ("staged_tiles", "tile states"))
+    kinds = [f"{name} in {_count(params[key], 'round')}"
+             for key, name in (("pool_rounds", "the pool's states"), ("tiles_rounds", "tile states"))
              if params.get(key)]
     if not kinds:
         return ""
-    rounds = params["staging_rounds"]
-    return f"; {' and '.join(kinds)} bulk-copied from shared memory in {_count(rounds, 'round')}"
+    return f"; {' and '.join(kinds)} staged in shared memory and copied out by TMA"
 
 
 def _has_fused(family: str, spec: KernelSpec) -> bool:

@@ -231,17 +231,17 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
     # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
     # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
     # compare a step otherwise. With `staging` (a `state_copy.StagedStores`: sm_90 and later), the kinds of
-    # store it takes go through shared memory and bulk copies, which drain off the chain. Returns (ck_next,
+    # store it takes go through shared memory and a tensor copy, which drains off the chain. Returns (ck_next,
     # ck_m, ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
         if ck_slot >= 0:
             if to_tiles != 0:
-                if cutlass.const_expr(staging is not None and staging.tiles):
-                    staging.store(thr_s, acc_s, mTs, ck_slot, hv, v0)
+                if cutlass.const_expr(staging is not None and staging.tiles is not None):
+                    staging.store_tiles(thr_s, acc_s, ck_slot, hv, v0)
                 else:
                     store_state_tile(thr_s, acc_s, mTs, ck_slot, hv, v0, bv, kv_layout)
-            elif cutlass.const_expr(staging is not None and staging.pool):
-                staging.store(thr_s, acc_s, mHt, ck_slot, hv, v0)
+            elif cutlass.const_expr(staging is not None and staging.pool is not None):
+                staging.store_pool(thr_s, acc_s, ck_slot, hv, v0)
             else:
                 store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
         ck_m = ck_m + 1

@@ -1,21 +1,23 @@
-"""A state tile from a recurrence's accumulators to a slot through shared memory and bulk copies (sm_90 and
+"""A state tile from a recurrence's accumulators to a slot through shared memory and a tensor copy (sm_90 and
 later).
 
 Stores straight from the accumulators cost each SM's store stream ~0.8 us a 32 KB tile, on the serial chain
 (docs/experiments.md, "State stores"). Here the consumer threads write the tile into a staging buffer laid
-out as the slot's rows, and each thread hands rows to the copy engine with one bulk copy each. The chain goes
-on while the copies drain. The buffer is written again only after every thread's earlier copies have read
-it.
+out as the slot's box (`staging_shape`), and one thread hands the box to the copy engine with one tensor copy
+(TMA). The chain goes on while the copy drains. The buffer is written again only after the copy has read it.
+A bulk copy a row cost the chain most of what the stores themselves had (docs/experiments.md, "State stores
+through shared memory and bulk copies"): the copy engine takes them one by one.
+
+The box is the slot's (its contiguous dimension innermost, no padding) under the 128-byte swizzle, which
+keeps the accumulators' stores in distinct banks: an MMA accumulator gives lane 4g + q rows g and g + 8 and
+key pairs 2q + 8j, 2q + 8j + 1, and the swizzle moves each row's 16-byte units by the row's index mod 8.
 
 A kernel short of shared memory stages a tile in `rounds`, each a range of K / rounds keys: the buffer holds
-one round, and each round waits for the copies of the one before to have read it (which is why the planner
-allows few: docs/experiments.md, "State stores through shared memory and bulk copies").
+one round, and each round waits for the copy of the one before to have read it (which is why the planner
+allows few).
 
-The staging rows are the slot's contiguous rows: with the K-first layout a key's `bv` values of the V-slice,
-with the V-first one a value row's keys of the round. Each row is padded so that the accumulators' stores hit
-distinct banks: an MMA accumulator gives lane 4g + q rows g and g + 8 and key pairs 2q + 8j, 2q + 8j + 1.
-K-first stores are scalar; V-first ones store a thread's key pair at once. Rows stay 16-byte aligned, as the
-copies need.
+The copy's descriptor is made on the host (`state_store_tma`, in the stage's launch function) for the whole
+target tensor: a slot, a head and the round's box are its coordinates.
 """
 
 from dataclasses import dataclass
@@ -23,12 +25,20 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.utils import LayoutEnum
 
-from kdagen.kernels.bulk import bulk_commit, bulk_store, bulk_wait_read, global_address
-from kdagen.kernels.staging_shape import staging_pitch, staging_rows
+from kdagen.kernels.bulk import bulk_commit, bulk_wait_read
+from kdagen.kernels.staging_shape import staging_box
 
 __all__ = [
     "accumulator_coords",
+    "staging_layout",
+    "staging_tensor",
+    "state_store_tma",
     "stage_state_round",
     "copy_state_round",
     "bulk_store_state_tile",
@@ -42,104 +52,136 @@ def accumulator_coords(layout, n: int, big: int) -> list[tuple[int, int]]:
     return [(layout(i) % big, layout(i) // big) for i in range(n)]
 
 
+def staging_layout(dtype, bv: int, k: int, kv_layout: bool, rounds: int):
+    """Trace time: one round's box in shared memory, (rows, contiguous) under the 128-byte swizzle (the
+    layout a wgmma B operand of that shape takes, which TMA reads as it is)."""
+    rows, cols = staging_box(bv, k, kv_layout, rounds)
+    layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, rows, cols), dtype, 1)
+    return cute.slice_(layout, (None, None, 0))
+
+
+@dsl_user_op
+def _opaque(x, *, loc=None, ip=None) -> cutlass.Int32:
+    # x through a move the compiler cannot see through or hoist: addresses derived from it are formed where
+    # they are used (at a store), not once before the recurrence's loop, where a box's dozens of swizzled
+    # addresses would stay live in registers the loop needs.
+    return cutlass.Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [cutlass.Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
 @cute.jit
-def stage_state_round(thr_s, acc_s: cute.Tensor, buf, dtype: cutlass.Constexpr, bv: cutlass.Constexpr,
-                      k: cutlass.Constexpr, kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr,
-                      rnd: cutlass.Constexpr):
+def staging_tensor(buf, dtype: cutlass.Constexpr, bv: cutlass.Constexpr, k: cutlass.Constexpr,
+                   kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr) -> cute.Tensor:
+    """The box of one round (`staging_layout`) at the shared-memory pointer `buf` (1024-byte aligned), in
+    `dtype`."""
+    layout = staging_layout(dtype, bv, k, kv_layout, rounds)
+    return cute.make_tensor(cute.recast_ptr(buf, swizzle_=layout.inner, dtype=dtype), layout.outer)
+
+
+@cute.jit
+def state_store_tma(mS: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr, kv_layout: cutlass.Constexpr,
+                    rounds: cutlass.Constexpr):
+    """Host side: the tensor copy (atom, coordinate tensor) of one round's box into mS ([slots, HV, rows,
+    contiguous], any slot stride of 16 bytes), its modes ordered (rows, contiguous, head, slot)."""
+    view = cute.make_tensor(mS.iterator, cute.make_layout(
+        (mS.shape[2], mS.shape[3], mS.shape[1], mS.shape[0]),
+        stride=(mS.stride[2], mS.stride[3], mS.stride[1], mS.stride[0])))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view,
+                                       staging_layout(mS.element_type, bv, k, kv_layout, rounds),
+                                       staging_box(bv, k, kv_layout, rounds))
+
+
+@cute.jit
+def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr,
+                      kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr, rnd: cutlass.Constexpr):
     # Round `rnd` of the accumulators of a (bv, K) tile of S^T (partitioned by the MMA slice `thr_s`): its
-    # keys into the staging buffer at the shared-memory pointer `buf`, rounded to `dtype`, each row as the
-    # slot holds it. A thread's keys are 2q + (static offsets), 2q < 8, and a round is whole 8-key blocks,
-    # so which elements fall in the round is known at trace time.
+    # keys into the box sBox (rows, contiguous), rounded to its type. A thread's keys are 2q + (static
+    # offsets), 2q < 8, and a round is whole 8-key blocks, so which elements fall in the round is known at
+    # trace time.
     big = 4 * k
-    pitch = staging_pitch(dtype.width, bv, k, kv_layout, rounds)
     seg = k // rounds
-    base = cute.recast_ptr(buf, dtype=dtype)
     coords = accumulator_coords(
-        thr_s.partition_C(cute.make_tensor(base, cute.make_layout((bv, k), stride=(1, big)))).layout,
+        thr_s.partition_C(cute.make_tensor(sBox.iterator, cute.make_layout((bv, k), stride=(1, big)))).layout,
         cute.size(acc_s), big)
     first = thr_s.partition_C(cute.make_identity_tensor((bv, k)))[0]
-    if cutlass.const_expr(kv_layout):
-        at = cute.make_tensor(base + (first[1] * pitch + first[0]), cute.make_layout(seg * pitch))
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            dv, dk = coords[i]
-            if cutlass.const_expr(dk // seg == rnd):
-                at[(dk - rnd * seg) * pitch + dv] = acc_s[i].to(dtype)
-    else:
-        # The thread's first key is even, and so is every key pair's offset: pairs stay 2-aligned.
-        at = base + cute.assume(first[0] * pitch + first[1], divby=2)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), dtype)
-        for i in cutlass.range_constexpr(0, cute.size(acc_s), 2):
-            dv, dk = coords[i]
-            assert coords[i + 1] == (dv, dk + 1) and dk % 2 == 0, "accumulator pairs not adjacent"
-            if cutlass.const_expr(dk // seg == rnd):
-                pair[0] = acc_s[i].to(dtype)
-                pair[1] = acc_s[i + 1].to(dtype)
-                dst = cute.make_tensor(at + (dv * pitch + dk - rnd * seg), cute.make_layout(2))
-                cute.autovec_copy(pair, dst)
+    dtype = sBox.element_type
+    layout = staging_layout(dtype, bv, k, kv_layout, rounds)
+    sBox = cute.make_tensor(cute.make_ptr(dtype, _opaque(sBox.iterator.toint()), cute.AddressSpace.smem,
+                                          assumed_align=1024, swizzle_=layout.inner), layout.outer)
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        dv, dk = coords[i]
+        if cutlass.const_expr(dk // seg == rnd):
+            if cutlass.const_expr(kv_layout):
+                sBox[first[1] + (dk - rnd * seg), first[0] + dv] = acc_s[i].to(dtype)
+            else:
+                sBox[first[0] + dv, first[1] + (dk - rnd * seg)] = acc_s[i].to(dtype)
 
 
 @cute.jit
-def copy_state_round(buf, mS: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
-                     t: cutlass.Int32, threads: cutlass.Constexpr, bv: cutlass.Constexpr,
-                     k: cutlass.Constexpr, kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr,
-                     rnd: cutlass.Constexpr):
-    # Thread t of `threads` copies rows t, t + threads, ... of round `rnd` of the staged tile into slot `slot`
-    # of mS (value head hv, rows v0 .. v0 + bv of S^T), one bulk copy a row, and closes its bulk group.
-    pitch = staging_pitch(mS.element_type.width, bv, k, kv_layout, rounds)
-    rows = staging_rows(bv, k, kv_layout, rounds)
-    seg = k // rounds
-    row_bytes = (bv if kv_layout else seg) * mS.element_type.width // 8
-    base = cute.recast_ptr(buf, dtype=mS.element_type)
-    for j in cutlass.range_constexpr((rows + threads - 1) // threads):
-        r = t + j * threads
-        if r < rows:
-            if cutlass.const_expr(kv_layout):
-                dst = global_address(mS, (slot, hv, rnd * seg + r, v0))
-            else:
-                dst = global_address(mS, (slot, hv, v0 + r, rnd * seg))
-            bulk_store(dst, (base + r * pitch).toint(), row_bytes)
+def copy_state_round(tma, sBox: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
+                     bv: cutlass.Constexpr, k: cutlass.Constexpr, kv_layout: cutlass.Constexpr,
+                     rounds: cutlass.Constexpr, rnd: cutlass.Constexpr):
+    # One thread: the staged box of round `rnd` to slot `slot` (value head hv, rows v0 .. v0 + bv of S^T) by
+    # the tensor copy `tma` (`state_store_tma`'s pair), and its bulk group closed.
+    atom, coords = tma
+    box = staging_box(bv, k, kv_layout, rounds)
+    at = (rnd, v0 // bv) if kv_layout else (v0 // bv, rnd)
+    g_box = cute.local_tile(coords[None, None, hv, slot], box, at)
+    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sBox, 0, 2),
+                                     cute.group_modes(g_box, 0, 2))
+    cute.copy(atom, t_s, t_g)
     bulk_commit()
 
 
 @cute.jit
-def bulk_store_state_tile(thr_s, acc_s: cute.Tensor, buf, mS: cute.Tensor, slot: cutlass.Int32,
+def bulk_store_state_tile(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, tma, slot: cutlass.Int32,
                           hv: cutlass.Int32, v0: cutlass.Int32, t: cutlass.Int32, threads: cutlass.Constexpr,
                           barrier_id: cutlass.Constexpr, bv: cutlass.Constexpr, k: cutlass.Constexpr,
                           kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr):
-    # The accumulators of S^T rows v0 .. v0 + bv into slot `slot` of mS, by the `threads` threads that hold
-    # them (t: this one's index) through the staging buffer `buf`, round by round: wait until the buffer's
-    # earlier copies have read it (this thread's, then everyone's, at named barrier `barrier_id`), stage,
-    # make the stores visible to the copy engine, copy. The last round's copies drain while the caller goes
-    # on; before the CTA exits, or a store that must land after them, it waits (`bulk.bulk_wait_all`).
+    # The accumulators of S^T rows v0 .. v0 + bv into slot `slot` of the tensor copy `tma`'s target, by the
+    # `threads` threads that hold them (t: this one's index; thread 0 copies) through the staging box sBox,
+    # round by round: wait until the box's earlier copy has read it (thread 0, then everyone at named barrier
+    # `barrier_id`), stage, make the stores visible to the copy engine, copy. The last round's copy drains
+    # while the caller goes on; before the CTA exits, or a store that must land after it, thread 0 waits
+    # (`bulk.bulk_wait_read`, `bulk.bulk_wait_all`).
     for rnd in cutlass.range_constexpr(rounds):
-        bulk_wait_read()
+        if t == 0:
+            bulk_wait_read()
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-        stage_state_round(thr_s, acc_s, buf, mS.element_type, bv, k, kv_layout, rounds, rnd)
+        stage_state_round(thr_s, acc_s, sBox, bv, k, kv_layout, rounds, rnd)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-        copy_state_round(buf, mS, slot, hv, v0, t, threads, bv, k, kv_layout, rounds, rnd)
+        if t == 0:
+            copy_state_round(tma, sBox, slot, hv, v0, bv, k, kv_layout, rounds, rnd)
 
 
 @dataclass(frozen=True)
 class StagedStores:
-    """A kernel's staged state stores: its staging buffer (`buf`, a shared-memory pointer of at least
-    `staging_shape.staging_bytes` for every dtype it stores, in `rounds`), this thread's index `t` among the
-    `threads` that store, their named barrier, the tile's shape, and which stores take the buffer: the pool's
-    (`pool`: checkpoints and final states) and the backward's tile states (`tiles`); the others are stored
-    from the accumulators. `common.checkpoint_step` takes one for its checkpoints; the kernel stores its final
-    state with `store` where `pool`."""
+    """A kernel's staged state stores: this thread's index `t` among the `threads` that store, their named
+    barrier, the tile's shape, and for each kind of store that takes the staging buffer (box, tma, rounds):
+    its box there (a swizzled tensor at the buffer, `staging_tensor`), its tensor copy (`state_store_tma`)
+    and its rounds; the pool's (`pool`: checkpoints and final states) and the backward's tile states
+    (`tiles`), None for a kind stored from the accumulators. `common.checkpoint_step` takes one for its
+    checkpoints; the kernel stores its final state with `store_pool` where `pool` is set."""
 
-    buf: Any
     t: Any
     threads: int
     barrier_id: int
     bv: int
     k: int
     kv_layout: bool
-    rounds: int
-    pool: bool
-    tiles: bool
+    pool: Any = None
+    tiles: Any = None
 
-    def store(self, thr_s, acc_s, mS, slot, hv, v0):
-        bulk_store_state_tile(thr_s, acc_s, self.buf, mS, slot, hv, v0, self.t, self.threads, self.barrier_id,
-                              self.bv, self.k, self.kv_layout, self.rounds)
+    def _store(self, kind, thr_s, acc_s, slot, hv, v0):
+        box, tma, rounds = kind
+        bulk_store_state_tile(thr_s, acc_s, box, tma, slot, hv, v0, self.t, self.threads, self.barrier_id,
+                              self.bv, self.k, self.kv_layout, rounds)
+
+    def store_pool(self, thr_s, acc_s, slot, hv, v0):
+        self._store(self.pool, thr_s, acc_s, slot, hv, v0)
+
+    def store_tiles(self, thr_s, acc_s, slot, hv, v0):
+        self._store(self.tiles, thr_s, acc_s, slot, hv, v0)
