@@ -275,10 +275,13 @@ def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
     bv, k, kv = min(BLOCK_V, spec.head_dim_v), spec.head_dim_k, spec.state_layout == "kv"
 
     def rounds(width: int) -> int:
-        r = staging_shape.staging_rounds(free, buffers, width, bv, k, kv) if spec.arch_info.has_bulk_copy else 0
+        if not spec.arch_info.has_bulk_copy:
+            return 0
+        r = staging_shape.staging_rounds(free, buffers, width, bv, k, kv)
         return r if r <= STAGING_MAX_ROUNDS else 0
 
-    return {"pool_rounds": rounds(8 * nbytes(spec.state_dtype)), "tiles_rounds": rounds(8 * nbytes(spec.dtype))}
+    return {"pool_rounds": rounds(8 * nbytes(spec.state_dtype)),
+            "tiles_rounds": rounds(8 * nbytes(spec.dtype))}
 
 
 def _staging_note(params: dict[str, Any]) -> str:

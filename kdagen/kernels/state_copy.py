@@ -81,8 +81,8 @@ def staging_tensor(buf, dtype: cutlass.Constexpr, bv: cutlass.Constexpr, k: cutl
 
 
 @cute.jit
-def state_store_tma(mS: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr, kv_layout: cutlass.Constexpr,
-                    rounds: cutlass.Constexpr):
+def state_store_tma(mS: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr,
+                    kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr):
     """Host side: the tensor copy (atom, coordinate tensor) of one round's box into mS ([slots, HV, rows,
     contiguous], any slot stride of 16 bytes), its modes ordered (rows, contiguous, head, slot)."""
     view = cute.make_tensor(mS.iterator, cute.make_layout(
@@ -94,8 +94,9 @@ def state_store_tma(mS: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr
 
 
 @cute.jit
-def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr,
-                      kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr, rnd: cutlass.Constexpr):
+def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.Constexpr,
+                      k: cutlass.Constexpr, kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr,
+                      rnd: cutlass.Constexpr):
     # Round `rnd` of the accumulators of a (bv, K) tile of S^T (partitioned by the MMA slice `thr_s`): its
     # keys into the box sBox (rows, contiguous), rounded to its type. A thread's keys are 2q + (static
     # offsets), 2q < 8, and a round is whole 8-key blocks, so which elements fall in the round is known at
