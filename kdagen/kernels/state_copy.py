@@ -124,8 +124,9 @@ def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.
 def copy_state_round(tma, sBox: cute.Tensor, slot: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
                      bv: cutlass.Constexpr, k: cutlass.Constexpr, kv_layout: cutlass.Constexpr,
                      rounds: cutlass.Constexpr, rnd: cutlass.Constexpr):
-    # One thread: the staged box of round `rnd` to slot `slot` (value head hv, rows v0 .. v0 + bv of S^T) by
-    # the tensor copy `tma` (`state_store_tma`'s pair), and its bulk group closed.
+    # One warp (the copy issues from one of its lanes): the staged box of round `rnd` to slot `slot` (value
+    # head hv, rows v0 .. v0 + bv of S^T) by the tensor copy `tma` (`state_store_tma`'s pair), and its bulk
+    # group closed.
     atom, coords = tma
     box = staging_box(bv, k, kv_layout, rounds)
     at = (rnd, v0 // bv) if kv_layout else (v0 // bv, rnd)
@@ -138,36 +139,38 @@ def copy_state_round(tma, sBox: cute.Tensor, slot: cutlass.Int32, hv: cutlass.In
 
 @cute.jit
 def bulk_store_state_tile(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, tma, slot: cutlass.Int32,
-                          hv: cutlass.Int32, v0: cutlass.Int32, t: cutlass.Int32, threads: cutlass.Constexpr,
-                          barrier_id: cutlass.Constexpr, bv: cutlass.Constexpr, k: cutlass.Constexpr,
-                          kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr):
+                          hv: cutlass.Int32, v0: cutlass.Int32, warp: cutlass.Int32,
+                          threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr, bv: cutlass.Constexpr,
+                          k: cutlass.Constexpr, kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr):
     # The accumulators of S^T rows v0 .. v0 + bv into slot `slot` of the tensor copy `tma`'s target, by the
-    # `threads` threads that hold them (t: this one's index; thread 0 copies) through the staging box sBox,
-    # round by round: wait until the box's earlier copy has read it (thread 0, then everyone at named barrier
-    # `barrier_id`), stage, make the stores visible to the copy engine, copy. The last round's copy drains
-    # while the caller goes on; before the CTA exits, or a store that must land after it, thread 0 waits
-    # (`bulk.bulk_wait_read`, `bulk.bulk_wait_all`).
+    # `threads` threads that hold them (`warp`: this thread's warp among them, warp-uniform; one lane of
+    # warp 0 copies) through the staging box sBox, round by round: wait until the box's earlier copy has read
+    # it (every thread waits for its own copies, then all at named barrier `barrier_id`), stage, make the
+    # stores visible to the copy engine, copy. The last round's copy drains while the caller goes on; before
+    # the CTA exits, or a store that must land after it, the threads wait (`bulk.bulk_wait_read`,
+    # `bulk.bulk_wait_all`). Every branch here is warp-uniform: a thread-dependent one would leave the
+    # recurrence's loop with values the compiler no longer proves uniform (the wgmma descriptors then move to
+    # uniform registers at every step).
     for rnd in cutlass.range_constexpr(rounds):
-        if t == 0:
-            bulk_wait_read()
+        bulk_wait_read()
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
         stage_state_round(thr_s, acc_s, sBox, bv, k, kv_layout, rounds, rnd)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-        if t == 0:
+        if warp == 0:
             copy_state_round(tma, sBox, slot, hv, v0, bv, k, kv_layout, rounds, rnd)
 
 
 @dataclass(frozen=True)
 class StagedStores:
-    """A kernel's staged state stores: this thread's index `t` among the `threads` that store, their named
-    barrier, the tile's shape, and for each kind of store that takes the staging buffer (box, tma, rounds):
-    its box there (a swizzled tensor at the buffer, `staging_tensor`), its tensor copy (`state_store_tma`)
-    and its rounds; the pool's (`pool`: checkpoints and final states) and the backward's tile states
-    (`tiles`), None for a kind stored from the accumulators. `common.checkpoint_step` takes one for its
-    checkpoints; the kernel stores its final state with `store_pool` where `pool` is set."""
+    """A kernel's staged state stores: this thread's warp (`warp`, warp-uniform) among the `threads` that
+    store, their named barrier, the tile's shape, and for each kind of store that takes the staging buffer
+    (box, tma, rounds): its box there (a swizzled tensor at the buffer, `staging_tensor`), its tensor copy
+    (`state_store_tma`) and its rounds; the pool's (`pool`: checkpoints and final states) and the backward's
+    tile states (`tiles`), None for a kind stored from the accumulators. `common.checkpoint_step` takes one
+    for its checkpoints; the kernel stores its final state with `store_pool` where `pool` is set."""
 
-    t: Any
+    warp: Any
     threads: int
     barrier_id: int
     bv: int
@@ -178,7 +181,7 @@ class StagedStores:
 
     def _store(self, kind, thr_s, acc_s, slot, hv, v0):
         box, tma, rounds = kind
-        bulk_store_state_tile(thr_s, acc_s, box, tma, slot, hv, v0, self.t, self.threads, self.barrier_id,
+        bulk_store_state_tile(thr_s, acc_s, box, tma, slot, hv, v0, self.warp, self.threads, self.barrier_id,
                               self.bv, self.k, self.kv_layout, rounds)
 
     def store_pool(self, thr_s, acc_s, slot, hv, v0):
