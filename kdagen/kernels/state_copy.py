@@ -3,10 +3,11 @@ later).
 
 Stores straight from the accumulators cost each SM's store stream ~0.8 us a 32 KB tile, on the serial chain
 (docs/experiments.md, "State stores"). Here the consumer threads write the tile into a staging buffer laid
-out as the slot's box (`staging_shape`), and one lane of the warpgroup's first warp hands the box to the copy
-engine with one tensor copy (TMA). The chain goes on while the copy drains. The buffer is written again only after the copy has read it.
-A bulk copy a row cost the chain most of what the stores themselves had (docs/experiments.md, "State stores
-through shared memory and bulk copies"): the copy engine takes them one by one.
+out as the slot's box (`staging_shape`), and one lane of the warpgroup's first warp hands the box to the
+copy engine with one tensor copy (TMA). The chain goes on while the copy drains. The buffer is written again
+only after the copy has read it. A bulk copy a row cost the chain most of what the stores themselves had
+(docs/experiments.md, "Checkpoints: where the time goes, one tensor copy a round"): the copy engine takes
+them one by one.
 
 The box is the slot's (its contiguous dimension innermost, no padding) under the 128-byte swizzle, which
 keeps the accumulators' stores in distinct banks: an MMA accumulator gives lane 4g + q rows g and g + 8 and
