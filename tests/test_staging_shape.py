@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from kdagen import plan
-from kdagen.kernels.staging_shape import staging_box, staging_bytes, staging_rounds
+from kdagen.kernels.staging_shape import box_byte, staging_box, staging_bytes, staging_rounds
 from kdagen.spec import load_spec_file
 
 CASES = [(w, kv, k, r) for w, kv, k in itertools.product((32, 16), (True, False), (64, 128))
@@ -24,6 +24,31 @@ def _swizzled(row: int, col: int, esize: int, rows: int) -> int:
     per = 128 // esize
     byte = (col % per) * esize
     return (col // per) * rows * 128 + row * 128 + (byte ^ ((row % 8) << 4))
+
+
+@pytest.mark.parametrize("width,kv,k,rounds", CASES)
+def test_box_byte_is_the_swizzled_layout(width, kv, k, rounds):
+    rows, cols = staging_box(64, k, kv, rounds)
+    seen = set()
+    for r in range(rows):
+        for c in range(cols):
+            b = box_byte(r, c, width, rows)
+            assert b == _swizzled(r, c, width // 8, rows)
+            seen.add(b)
+    assert len(seen) == rows * cols and max(seen) < staging_bytes(width, 64, k, kv, rounds)
+
+
+@pytest.mark.parametrize("width,kv,k,rounds", CASES)
+def test_every_store_is_the_base_moved_by_a_constant(width, kv, k, rounds):
+    # `state_copy._store_offsets` checks its decomposition for every thread of the warpgroup (an assert at
+    # trace time); here over the accumulator coordinates of the wgmma fragment (lane 4 g + q: rows g, g + 8,
+    # key pairs 2 q + 8 j), for every round.
+    from kdagen.kernels.state_copy import _store_offsets
+    coords = [(8 * h, 8 * j + e) for j in range(k // 8) for h in (0, 1) for e in (0, 1)]
+    n = 0
+    for rnd in range(rounds):
+        n += len(_store_offsets(64, k, kv, rounds, rnd, width, coords))
+    assert n == len(coords)
 
 
 def _warp_stores(width: int, kv: bool, k: int, rounds: int, rnd: int, bv: int = 64):

@@ -9,7 +9,7 @@ undoes on its way out: rows of at least 128 bytes, in groups of eight.
 
 from __future__ import annotations
 
-__all__ = ["MAX_ROUNDS", "staging_box", "box_fits", "staging_bytes", "staging_rounds"]
+__all__ = ["MAX_ROUNDS", "staging_box", "box_fits", "box_byte", "staging_bytes", "staging_rounds"]
 
 MAX_ROUNDS = 8  # a round holds whole 8-key blocks of the accumulators; K = 64 allows 8 at most
 SWIZZLE_BYTES = 128  # the swizzle's row: a box's contiguous extent is a multiple of it
@@ -19,6 +19,16 @@ SWIZZLE_ROWS = 8  # rows a swizzle pattern spans
 def staging_box(bv: int, k: int, kv_layout: bool, rounds: int = 1) -> tuple[int, int]:
     """(rows, contiguous elements a row) of one round's box in the slot."""
     return (k // rounds, bv) if kv_layout else (bv, k // rounds)
+
+
+def box_byte(row: int, col: int, width: int, rows: int) -> int:
+    """Byte offset of element (row, col) of a box of `rows` rows of `width`-bit elements: 128-byte swizzle
+    atoms (8 rows of 128 bytes; a row's 16-byte units XORed with the row's index mod 8), a row's next 128
+    bytes in the next atom column, after all the rows of the one before (the layout of a wgmma B operand and
+    of TMA's 128-byte swizzle; works on plain ints and on the DSL's)."""
+    esize = width // 8
+    per = 128 // esize
+    return (col // per) * rows * 128 + row * 128 + (((col % per) * esize) ^ ((row % 8) << 4))
 
 
 def box_fits(width: int, bv: int, k: int, kv_layout: bool, rounds: int) -> bool:

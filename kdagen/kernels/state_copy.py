@@ -27,13 +27,11 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from kdagen.kernels.bulk import bulk_commit, bulk_wait_read
-from kdagen.kernels.staging_shape import staging_box
+from kdagen.kernels.staging_shape import box_byte, staging_box
 
 __all__ = [
     "accumulator_coords",
@@ -61,17 +59,6 @@ def staging_layout(dtype, bv: int, k: int, kv_layout: bool, rounds: int):
     return cute.slice_(layout, (None, None, 0))
 
 
-@dsl_user_op
-def _opaque(x, *, loc=None, ip=None) -> cutlass.Int32:
-    # x through a move the compiler cannot see through or hoist: addresses derived from it are formed where
-    # they are used (at a store), not once before the recurrence's loop, where a box's dozens of swizzled
-    # addresses would stay live in registers the loop needs.
-    return cutlass.Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type, [cutlass.Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
 @cute.jit
 def staging_tensor(buf, dtype: cutlass.Constexpr, bv: cutlass.Constexpr, k: cutlass.Constexpr,
                    kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr) -> cute.Tensor:
@@ -94,6 +81,34 @@ def state_store_tma(mS: cute.Tensor, bv: cutlass.Constexpr, k: cutlass.Constexpr
                                        staging_box(bv, k, kv_layout, rounds))
 
 
+def _store_offsets(bv: int, k: int, kv_layout: bool, rounds: int, rnd: int, width: int,
+                   coords: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Trace time: for each accumulator element of round `rnd` (index, xor, add): its box byte offset is
+    (the thread's first element's offset ^ xor) + add, for every thread of the warpgroup. A thread's first
+    element is value row 16 w + g, key 2 q (warp w, lane 4 g + q); its other elements sit at static offsets,
+    which move the swizzle's bits (4 to 6) and the rest apart, so one base register and one XOR a store
+    address them all (checked here for every thread)."""
+    rows, _ = staging_box(bv, k, kv_layout, rounds)
+    seg = k // rounds
+
+    def byte(v: int, key: int) -> int:
+        return box_byte(key, v, width, rows) if kv_layout else box_byte(v, key, width, rows)
+
+    firsts = [(16 * w + g, 2 * q) for w in range(bv // 16) for g in range(8) for q in range(4)]
+    out = []
+    for i, (dv, dk) in enumerate(coords):
+        if dk // seg != rnd:
+            continue
+        dk -= rnd * seg
+        ref, at = byte(0, 0), byte(dv, dk)
+        xor = (at ^ ref) & 0x70
+        add = (at & ~0x70) - (ref & ~0x70)
+        assert all(byte(v + dv, key + dk) == (byte(v, key) ^ xor) + add for v, key in firsts), \
+            "a store's offset is not the base's moved by a constant"
+        out.append((i, xor, add))
+    return out
+
+
 @cute.jit
 def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.Constexpr,
                       k: cutlass.Constexpr, kv_layout: cutlass.Constexpr, rounds: cutlass.Constexpr,
@@ -101,24 +116,23 @@ def stage_state_round(thr_s, acc_s: cute.Tensor, sBox: cute.Tensor, bv: cutlass.
     # Round `rnd` of the accumulators of a (bv, K) tile of S^T (partitioned by the MMA slice `thr_s`): its
     # keys into the box sBox (rows, contiguous), rounded to its type. A thread's keys are 2q + (static
     # offsets), 2q < 8, and a round is whole 8-key blocks, so which elements fall in the round is known at
-    # trace time.
+    # trace time, and so is each one's offset from the thread's first (`_store_offsets`): one live address,
+    # as the stores' addresses would otherwise be hoisted before the recurrence's loop and held there.
     big = 4 * k
-    seg = k // rounds
+    dtype = sBox.element_type
+    rows, _ = staging_box(bv, k, kv_layout, rounds)
     coords = accumulator_coords(
         thr_s.partition_C(cute.make_tensor(sBox.iterator, cute.make_layout((bv, k), stride=(1, big)))).layout,
         cute.size(acc_s), big)
     first = thr_s.partition_C(cute.make_identity_tensor((bv, k)))[0]
-    dtype = sBox.element_type
-    layout = staging_layout(dtype, bv, k, kv_layout, rounds)
-    sBox = cute.make_tensor(cute.make_ptr(dtype, _opaque(sBox.iterator.toint()), cute.AddressSpace.smem,
-                                          assumed_align=1024, swizzle_=layout.inner), layout.outer)
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        dv, dk = coords[i]
-        if cutlass.const_expr(dk // seg == rnd):
-            if cutlass.const_expr(kv_layout):
-                sBox[first[1] + (dk - rnd * seg), first[0] + dv] = acc_s[i].to(dtype)
-            else:
-                sBox[first[0] + dv, first[1] + (dk - rnd * seg)] = acc_s[i].to(dtype)
+    if cutlass.const_expr(kv_layout):
+        base = box_byte(first[1], first[0], dtype.width, rows)
+    else:
+        base = box_byte(first[0], first[1], dtype.width, rows)
+    base = sBox.iterator.toint() + base  # (the box is 1024-byte aligned: the swizzle's bits are the offset's)
+    for i, xor, add in _store_offsets(bv, k, kv_layout, rounds, rnd, dtype.width, coords):
+        at = cute.make_ptr(dtype, (base ^ xor) + add, cute.AddressSpace.smem, assumed_align=dtype.width // 8)
+        cute.make_tensor(at, cute.make_layout(1))[0] = acc_s[i].to(dtype)
 
 
 @cute.jit
