@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdagen.dtypes import nbytes
-from kdagen.policy import decode_parts, decode_streams
+from kdagen.policy import decode_parts, decode_staged_store, decode_streams
 from kdagen.runtime import (
     _check_no_grad,
     _compact,
@@ -207,7 +207,9 @@ def run_decode(
         if decode_streams(kernel._decode_stream is not None, nreq * hv, sms, v_first, tokens, kernel.policy,
                           8 * nbytes(spec.state_dtype)):
             parts = decode_parts(nreq * hv, sms, vdim, v_first, tokens)
-            kernel._decode_stream(*args, parts, min(nreq * hv * parts, sms))
+            items = nreq * hv * parts
+            ctas = min(items, sms)
+            kernel._decode_stream(*args, parts, int(decode_staged_store(items, ctas)), ctas)
         else:
             kernel._decode(*args)
     return o

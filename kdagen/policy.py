@@ -72,6 +72,9 @@ DECODE_PER_ITEM_KV = 1
 DECODE_PER_ITEM_KV_LONG = 2
 DECODE_LONG_TOKENS = 4
 DECODE_PER_ITEM_VK = 16
+# The streaming decode returns a request's final state through its ring stage (a bulk copy by the loader)
+# from this many items a CTA; below, the consumers store it word by word (`decode_staged_store`).
+DECODE_STAGED_MIN_ITEMS = 16
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -483,6 +486,16 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
     while 2 * parts <= max_parts and head_dim_v % (16 * 2 * parts) == 0 and items * 2 * parts <= sms:
         parts *= 2
     return parts
+
+
+def decode_staged_store(items: int, ctas: int) -> bool:
+    """Whether the streaming decode's CTAs, `items` (request, value head, value part) items over `ctas`,
+    return each request's final state through its ring stage, bulk-copied by the loader, rather than by the
+    consumers' stores from registers: from `DECODE_STAGED_MIN_ITEMS` items a CTA. The bulk copy streams the
+    bytes at a lower cost to the consumers (H200: 3-4% at 128-256 requests of HV 32 or 64), but holds the
+    stage until the copy has read it, which delays the next load into it: 1-3% slower at 8 items a CTA
+    (docs/experiments.md, "Decode: the final state by bulk copy")."""
+    return items >= DECODE_STAGED_MIN_ITEMS * ctas
 
 
 def decode_streams(has_stage: bool, items: int, sms: int, v_first: bool, tokens: int,

@@ -23,6 +23,7 @@ from kdagen.policy import (
     cp_segment_len,
     cp_time_us,
     decode_parts,
+    decode_staged_store,
     decode_streams,
     device_picks_fused,
     fused_args,
@@ -485,3 +486,15 @@ def test_decode_stream_override_is_read_from_the_environment():
 def test_decode_parts_spread_few_items_over_the_sms(items: int, sms: int, v: int, v_first: bool, tokens: int,
                                                     expected: int):
     assert decode_parts(items, sms, v, v_first, tokens) == expected
+
+
+@pytest.mark.parametrize(("items", "ctas", "expected"), [
+    (1024, 132, False),  # HV 32, 32 requests: under 8 items a CTA, the consumers store the states
+    (2111, 132, False),
+    (2112, 132, True),  # 16 items a CTA: the final states go back through the ring
+    (8192, 132, True),
+    (16, 1, True),
+    (15, 1, False),
+])
+def test_decode_staged_store_from_sixteen_items_a_cta(items: int, ctas: int, expected: bool):
+    assert decode_staged_store(items, ctas) is expected

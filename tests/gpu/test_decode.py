@@ -32,21 +32,24 @@ pytestmark = [
 TOL = cases.GPU_TOL
 
 
-@pytest.fixture(autouse=True, params=["off", "whole", "parts"],
-                ids=["per-item", "streaming-whole", "streaming-parts"])
+@pytest.fixture(autouse=True, params=["off", "whole", "parts", "direct"],
+                ids=["per-item", "streaming-whole", "streaming-parts", "streaming-direct"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs on both decode stages: one CTA an item (forced), and the streaming grid (the automatic
-    choice where the variant has it; skipped where it has not), there with whole states and with states split
+    choice where the variant has it; skipped where it has not). There with whole states and with states split
     into value parts wherever there are fewer items than SMs, whatever the layout and token count
-    (`decode_parts` forced either way)."""
+    (`decode_parts` forced either way), the final states returned through the ring (`decode_staged_store`
+    forced, as on calls of many items); and with whole states stored by the consumers (as on few)."""
     path = request.param
     kernel_for = cases.kernel_for
     rule = kdagen.decode.decode_parts
-    if path == "whole":
+    if path in ("whole", "direct"):
         monkeypatch.setattr(kdagen.decode, "decode_parts", lambda *args, **kwargs: 1)
     elif path == "parts":
         monkeypatch.setattr(kdagen.decode, "decode_parts",
                             lambda items, sms, v, v_first, tokens: rule(items, sms, v, True, tokens))
+    if path != "off":
+        monkeypatch.setattr(kdagen.decode, "decode_staged_store", lambda items, ctas: path != "direct")
 
     def forced(name: str) -> Any:
         kernel = kernel_for(name)
