@@ -9,7 +9,8 @@ undoes on its way out: rows of at least 128 bytes, in groups of eight.
 
 from __future__ import annotations
 
-__all__ = ["MAX_ROUNDS", "staging_box", "box_fits", "box_byte", "staging_bytes", "staging_rounds"]
+__all__ = ["MAX_ROUNDS", "staging_box", "box_fits", "box_byte", "staging_bytes", "buffer_bytes",
+           "staging_rounds"]
 
 MAX_ROUNDS = 8  # a round holds whole 8-key blocks of the accumulators; K = 64 allows 8 at most
 SWIZZLE_BYTES = 128  # the swizzle's row: a box's contiguous extent is a multiple of it
@@ -44,6 +45,12 @@ def staging_bytes(width: int, bv: int, k: int, kv_layout: bool, rounds: int = 1)
     of 1024, the swizzle's alignment)."""
     assert box_fits(width, bv, k, kv_layout, rounds), "a round's box is not whole swizzle rows"
     return bv * k * width // 8 // rounds
+
+
+def buffer_bytes(kinds, bv: int, k: int, kv_layout: bool) -> int:
+    """The staging buffer of a kernel whose kinds of store, (width, rounds) each (0 rounds: not staged), share
+    it: the largest of their boxes."""
+    return max(staging_bytes(width, bv, k, kv_layout, rounds) for width, rounds in kinds if rounds)
 
 
 def staging_rounds(free_bytes: int, buffers: int, width: int, bv: int, k: int, kv_layout: bool) -> int:

@@ -30,7 +30,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 
-from kdagen.kernels.bulk import bulk_commit, bulk_wait_read
+from kdagen.kernels.bulk import bulk_commit, bulk_wait_all, bulk_wait_read
 from kdagen.kernels.staging_shape import box_byte, staging_box
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "copy_state_round",
     "bulk_store_state_tile",
     "StagedStores",
+    "store_final_state",
 ]
 
 
@@ -183,7 +184,8 @@ class StagedStores:
     (box, tma, rounds): its box there (a swizzled tensor at the buffer, `staging_tensor`), its tensor copy
     (`state_store_tma`) and its rounds; the pool's (`pool`: checkpoints and final states) and the backward's
     tile states (`tiles`), None for a kind stored from the accumulators. `common.checkpoint_step` takes one
-    for its checkpoints; the kernel stores its final state with `store_pool` where `pool` is set."""
+    for its checkpoints; the kernel stores its final state with `store_final_state` where `pool` is set.
+    `StagedStores.at` makes one from the buffer and each kind's (dtype, tma, coordinates, rounds)."""
 
     warp: Any
     threads: int
@@ -193,6 +195,19 @@ class StagedStores:
     kv_layout: bool
     pool: Any = None
     tiles: Any = None
+
+    @classmethod
+    def at(cls, buf, warp, threads: int, barrier_id: int, bv: int, k: int, kv_layout: bool, pool=None,
+           tiles=None) -> "StagedStores":
+        """Trace time: the stores through the staging buffer at `buf` (1024-byte aligned), `pool` and `tiles`
+        each (dtype, tma atom, its coordinate tensor, rounds) or None."""
+        def kind(spec):
+            if spec is None:
+                return None
+            dtype, atom, coords, rounds = spec
+            return staging_tensor(buf, dtype, bv, k, kv_layout, rounds), (atom, coords), rounds
+
+        return cls(warp, threads, barrier_id, bv, k, kv_layout, pool=kind(pool), tiles=kind(tiles))
 
     def _store(self, kind, thr_s, acc_s, slot, hv, v0):
         box, tma, rounds = kind
@@ -204,3 +219,15 @@ class StagedStores:
 
     def store_tiles(self, thr_s, acc_s, slot, hv, v0):
         self._store(self.tiles, thr_s, acc_s, slot, hv, v0)
+
+
+@cute.jit
+def store_final_state(staging: StagedStores, thr_s, acc_s: cute.Tensor, slot: cutlass.Int32,
+                      hv: cutlass.Int32, v0: cutlass.Int32, ckpt_every: cutlass.Int32, ck_next: cutlass.Int32,
+                      num_steps: cutlass.Int32):
+    # A chain's final state into its pool slot after `num_steps` steps, with checkpoints every `ckpt_every`
+    # steps, the next at `ck_next` (`common.checkpoint_step`): a checkpoint's copies land first, should its
+    # slot be this one; none are waited for where the last step was a checkpoint (the same state).
+    if ckpt_every > 0 and ck_next - ckpt_every != num_steps - 1:
+        bulk_wait_all()
+    staging.store_pool(thr_s, acc_s, slot, hv, v0)
