@@ -20,8 +20,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import os
 import re
+import sys
+from collections.abc import Iterator
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kdagen import compile as _compile  # no cutlass import: compile imports it lazily
@@ -59,6 +63,44 @@ def _relevant(name: str) -> bool:
     return name.startswith(_DSL) or name == "apache-tvm-ffi"
 
 
+_INFO_SUFFIXES = (".dist-info", ".egg-info")
+
+
+def _info_dist(path: str) -> tuple[str, str] | None:
+    """(normalised name, version) from one dist-info or egg-info directory's metadata, read once."""
+    meta = md.PathDistribution(Path(path)).metadata
+    name = meta["Name"] if meta is not None else None
+    return (_normalize(name), meta["Version"]) if name else None
+
+
+def _relevant_dists() -> Iterator[tuple[str, str]]:
+    """(normalised name, version) of every installed distribution whose name may be relevant, in
+    ``sys.path`` order (the first of a name is the one imported), others possibly among them.
+
+    A directory on ``sys.path`` is listed and only the entries whose directory name is relevant are read:
+    ``md.distributions()`` builds, names and (where the directory name is not enough) parses every
+    distribution of a site, ~300 on a serving host, and that scan was a first ``get_kernel``'s largest part
+    after the import of tvm_ffi. An entry that is not a directory (a zip) goes through importlib.metadata."""
+    for entry in sys.path:
+        root = entry or "."
+        try:
+            names = sorted(os.listdir(root))
+        except OSError:
+            if os.path.isfile(root):
+                for dist in md.distributions(path=[root]):
+                    name = dist.metadata["Name"]
+                    if name:
+                        yield _normalize(name), dist.version
+            continue
+        for fn in names:
+            suffix = next((x for x in _INFO_SUFFIXES if fn.endswith(x)), None)
+            if suffix is None or not _relevant(_normalize(fn[: -len(suffix)].split("-", 1)[0])):
+                continue
+            found = _info_dist(os.path.join(root, fn))
+            if found is not None:
+                yield found
+
+
 @lru_cache(maxsize=1)
 def toolchain_fingerprint() -> dict[str, str | None]:
     """The compiler stack that shapes an artifact, read from package metadata (cutlass is not imported).
@@ -73,17 +115,10 @@ def toolchain_fingerprint() -> dict[str, str | None]:
     process; call ``toolchain_fingerprint.cache_clear()`` after changing installed packages.
     """
     found: dict[str, str] = {}
-    for dist in md.distributions():
-        # Parsing every installed distribution's METADATA was most of a first `get_kernel`'s time once the
-        # templates were compiled; the dist-info directory's name (what importlib itself matches names by)
-        # rules out the others first. Where it is unknown, the metadata decides.
-        stem = getattr(dist, "_normalized_name", None)
-        if isinstance(stem, str) and not _relevant(_normalize(stem)):
-            continue
-        name = _normalize(dist.metadata.get("Name") or "")
+    for name, version in _relevant_dists():
         # First one wins, as for imports: sys.path order.
         if _relevant(name) and name not in found:
-            found[name] = dist.version
+            found[name] = version
     flavours = sorted((int(m.group(1)), n) for n in found if (m := _FLAVOUR_RE.match(n)))
     selected = flavours[-1][1] if flavours else None
     out: dict[str, str | None] = {

@@ -486,28 +486,36 @@ def test_key_explain_parts():
     assert key == hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-class _Dist:
-    def __init__(self, name: str, version: str) -> None:
-        self.metadata = {"Name": name}
-        self.version = version
+def _site(root: Path, dists: dict[str, tuple[str, str]]) -> Path:
+    """A directory of dist-info (or egg-info) directories: {directory name: (Name, Version)} in METADATA."""
+    root.mkdir(parents=True, exist_ok=True)
+    for dirname, (name, version) in dists.items():
+        (root / dirname).mkdir()
+        meta = "PKG-INFO" if dirname.endswith(".egg-info") else "METADATA"
+        (root / dirname / meta).write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return root
 
 
-def test_toolchain_fingerprint_selects_flavour(monkeypatch: pytest.MonkeyPatch):
-    dists = [
-        _Dist("nvidia-cutlass-dsl", "4.8.1"),
-        _Dist("nvidia_cutlass_dsl_libs_base", "4.8.1"),
-        _Dist("nvidia-cutlass-dsl-libs-cu12", "4.8.1"),
-        _Dist("nvidia-cutlass-dsl-libs-cu13", "4.8.1"),
-        _Dist("apache-tvm-ffi", "0.1.15.post2"),
-        _Dist("nvidia-cutlass-dsl", "9.9.9"),  # shadowed: later on sys.path
-        _Dist("torch", "2.13.0"),
-    ]
-    monkeypatch.setattr(keys.md, "distributions", lambda: iter(dists))
+def _fingerprint_on(monkeypatch: pytest.MonkeyPatch, path: list[str]) -> dict[str, str | None]:
+    monkeypatch.setattr(keys.sys, "path", path)
     keys.toolchain_fingerprint.cache_clear()
     try:
-        fp = keys.toolchain_fingerprint()
+        return keys.toolchain_fingerprint()
     finally:
         keys.toolchain_fingerprint.cache_clear()
+
+
+def test_toolchain_fingerprint_selects_flavour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    first = _site(tmp_path / "a", {
+        "nvidia_cutlass_dsl-4.8.1.dist-info": ("nvidia-cutlass-dsl", "4.8.1"),
+        "nvidia_cutlass_dsl_libs_base-4.8.1.dist-info": ("nvidia_cutlass_dsl_libs_base", "4.8.1"),
+        "nvidia_cutlass_dsl_libs_cu12-4.8.1.dist-info": ("nvidia-cutlass-dsl-libs-cu12", "4.8.1"),
+        "nvidia_cutlass_dsl_libs_cu13-4.8.1.dist-info": ("nvidia-cutlass-dsl-libs-cu13", "4.8.1"),
+        "apache_tvm_ffi.egg-info": ("apache-tvm-ffi", "0.1.15.post2"),  # a develop install
+        "torch-2.13.0.dist-info": ("torch", "2.13.0"),
+    })
+    shadowed = _site(tmp_path / "b", {"nvidia_cutlass_dsl-9.9.9.dist-info": ("nvidia-cutlass-dsl", "9.9.9")})
+    fp = _fingerprint_on(monkeypatch, [str(first), str(tmp_path / "missing"), str(shadowed)])
     assert fp == {
         "apache-tvm-ffi": "0.1.15.post2",
         "cuda_flavour": "cu13",
@@ -517,35 +525,34 @@ def test_toolchain_fingerprint_selects_flavour(monkeypatch: pytest.MonkeyPatch):
     }
 
 
-class _NamedDist:
-    """A distribution with a dist-info directory name; its METADATA must only be read when that name is
-    relevant."""
-
-    def __init__(self, stem: str, name: str, version: str) -> None:
-        self._normalized_name = stem
-        self._name = name
-        self.version = version
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        if self._normalized_name == "torch":
-            raise AssertionError("read the METADATA of a distribution its directory name rules out")
-        return {"Name": self._name}
-
-
-def test_toolchain_fingerprint_skips_by_directory_name(monkeypatch: pytest.MonkeyPatch):
-    dists = [
-        _NamedDist("torch", "torch", "2.13.0"),
-        _NamedDist("nvidia_cutlass_dsl", "nvidia-cutlass-dsl", "4.8.1"),
-        _NamedDist("apache_tvm_ffi", "apache-tvm-ffi", "0.1.15.post2"),
-    ]
-    monkeypatch.setattr(keys.md, "distributions", lambda: iter(dists))
-    keys.toolchain_fingerprint.cache_clear()
-    try:
-        fp = keys.toolchain_fingerprint()
-    finally:
-        keys.toolchain_fingerprint.cache_clear()
+def test_toolchain_fingerprint_reads_only_relevant_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A serving host's site holds hundreds of distributions: only those whose directory name is relevant
+    # have their metadata read.
+    site = _site(tmp_path, {
+        **{f"pkg{i}-1.0.dist-info": (f"pkg{i}", "1.0") for i in range(50)},
+        "nvidia_cutlass_dsl-4.8.1.dist-info": ("nvidia-cutlass-dsl", "4.8.1"),
+        "apache_tvm_ffi-0.1.15.post2.dist-info": ("apache-tvm-ffi", "0.1.15.post2"),
+    })
+    read: list[str] = []
+    real = keys._info_dist
+    monkeypatch.setattr(keys, "_info_dist", lambda path: read.append(Path(path).name) or real(path))
+    fp = _fingerprint_on(monkeypatch, [str(site)])
     assert fp == {"apache-tvm-ffi": "0.1.15.post2", "cuda_flavour": None, "nvidia-cutlass-dsl": "4.8.1"}
+    assert sorted(read) == ["apache_tvm_ffi-0.1.15.post2.dist-info", "nvidia_cutlass_dsl-4.8.1.dist-info"]
+
+
+def test_toolchain_fingerprint_reads_a_zip_on_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import zipfile
+
+    archive = tmp_path / "deps.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("apache_tvm_ffi-0.2.0.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: apache-tvm-ffi\nVersion: 0.2.0\n")
+        z.writestr("torch-2.13.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+    fp = _fingerprint_on(monkeypatch, [str(archive)])
+    assert fp == {"apache-tvm-ffi": "0.2.0", "cuda_flavour": None}
 
 
 def test_toolchain_fingerprint_installed():
