@@ -29,6 +29,7 @@ class ArchInfo:
     has_pdl: bool  # programmatic dependent launch (griddepcontrol): a kernel may start beside its predecessor
     has_bulk_copy: bool  # cp.async.bulk: one thread streams a contiguous block between global and shared
     smem_bytes_per_block: int  # opt-in maximum dynamic shared memory per block
+    smem_bytes_per_sm: int  # shared memory of an SM, which co-resident CTAs share (each with a 1 KB reserve)
     runs_here: bool  # False: compiled and inspected here, never run (this project has no such GPU)
     # Targets whose GPUs offer every feature this target's plans use, so that those plans, compiled for one of
     # them, run there: the test-only `target=` of `kdagen.build` (how the sm_80 and sm_89 plans are run on an
@@ -76,6 +77,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=False,
             has_bulk_copy=False,
             smem_bytes_per_block=163 * 1024,  # 164 KB per SM, 163 KB per block with opt-in
+            smem_bytes_per_sm=164 * 1024,
             runs_here=False,
             emulated_on=("sm_90a",),
         ),
@@ -86,6 +88,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=False,
             has_bulk_copy=False,
             smem_bytes_per_block=99 * 1024,  # 100 KB per SM, 99 KB per block with opt-in
+            smem_bytes_per_sm=100 * 1024,
             runs_here=False,
             emulated_on=("sm_90a",),
         ),
@@ -97,6 +100,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=True,
             has_bulk_copy=True,
             smem_bytes_per_block=227 * 1024,
+            smem_bytes_per_sm=228 * 1024,
             runs_here=True,
         ),
         ArchInfo(
@@ -106,6 +110,7 @@ ARCHS: dict[str, ArchInfo] = {
             has_pdl=True,
             has_bulk_copy=True,
             smem_bytes_per_block=227 * 1024,
+            smem_bytes_per_sm=228 * 1024,
             runs_here=False,
         ),
     )

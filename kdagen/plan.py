@@ -265,12 +265,31 @@ def _fused_smem_bytes(
 STAGING_MAX_ROUNDS = 4
 
 
+def _recurrence_smem_bytes(spec: KernelSpec, stages: int) -> int:
+    """Shared memory of one wgmma recurrence CTA (templates/wgmma/recurrence.py.j2) but its staging buffer:
+    the ring (kd, qd, Ak, Aq, the V-slice and gt a stage), the 1 KB alignment of its four wgmma images and the
+    barriers."""
+    k, bv = spec.head_dim_k, min(BLOCK_V, spec.head_dim_v)
+    stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * bv * 2 + k * 4
+    return stages * stage + 4 * 1024 + 2 * stages * 8
+
+
+def _recurrence_staging(spec: KernelSpec, stages: int, beside: int, heads: int) -> dict[str, Any]:
+    """The wgmma recurrence's staged state stores (`_staging`, one buffer): in the shared memory that an SM
+    leaves it beside `beside` prepare CTAs of `heads` warps, so that staging never keeps it from running
+    beside prepare."""
+    arch = spec.arch_info
+    prepare = beside * (heads * _prepare_warp_smem(spec) + 1024)
+    free = min(arch.smem_bytes_per_sm - prepare, arch.smem_bytes_per_block + 1024)
+    return _staging(spec, free - 1024 - _recurrence_smem_bytes(spec, stages), 1)
+
+
 def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
-    """The fused kernel's staged state stores, with `free` bytes of shared memory left and `buffers`
-    consumer warpgroups: the rounds of each kind of store, the pool's (checkpoints and final states, in the
-    state dtype: `pool_rounds`) and the backward's tile states (in the MMA type: `tiles_rounds`), the fewest
-    in which `buffers` boxes fit, up to STAGING_MAX_ROUNDS; 0: stored from the accumulators (also where the
-    target has no TMA). The buffer takes the larger kind's box."""
+    """A kernel's staged state stores (the fused kernel's, the wgmma recurrence's), with `free` bytes of
+    shared memory left and `buffers` consumer warpgroups: the rounds of each kind of store, the pool's
+    (checkpoints and final states, in the state dtype: `pool_rounds`) and the backward's tile states (in the
+    MMA type: `tiles_rounds`), the fewest in which `buffers` boxes fit, up to STAGING_MAX_ROUNDS; 0: stored
+    from the accumulators (also where the target has no TMA). The buffer takes the larger kind's box."""
     free -= 1024  # the buffer's alignment (the swizzle's pattern)
     bv, k, kv = min(BLOCK_V, spec.head_dim_v), spec.head_dim_k, spec.state_layout == "kv"
 
@@ -415,6 +434,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     if family == "wgmma":
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
+        # Checkpoints and tile states staged for a tensor copy, off the chain, as in the fused kernel.
+        seq_params.update(_recurrence_staging(spec, 3, beside, heads))
     # The recurrence is compiled into `forward` (below), not launched on its own.
     recurrence = StagePlan(
         "recurrence",
@@ -422,7 +443,7 @@ def make_plan(spec: KernelSpec) -> Plan:
         seq_params,
         compiled=False,
         note=f"the serial chain per (sequence, head): {block_v} value rows a CTA, "
-        f"a {seq_params['stages']}-stage load pipeline",
+        f"a {seq_params['stages']}-stage load pipeline" + _staging_note(seq_params),
     )
     # The whole-sequence path in one host call: the ready flags zeroed and, when the runtime asks for it
     # (KDAKernel._by_length), the sequences ranked longest first; then prepare and the recurrence beside it.

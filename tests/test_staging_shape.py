@@ -150,3 +150,28 @@ def test_an_fp32_pool_beside_the_ring_takes_four_rounds():
     spec = load_spec_file("specs/sm90.yaml")["k128"]
     fused = next(s.params for s in plan.make_plan(spec).stages if s.name == "fused")
     assert fused["pool_rounds"] == 4 and fused["tiles_rounds"] == 2
+
+
+@pytest.mark.parametrize("name", ["k128", "k128-vk", "k128-sbf16", "k128-gbf16", "k64"])
+def test_the_recurrence_stages_within_what_prepare_leaves_it(name):
+    # The wgmma recurrence runs beside prepare's CTAs: with its staging buffer it still fits the SM beside
+    # them (each CTA with the 1 KB reserve), and within one block's limit.
+    spec = load_spec_file("specs/sm90.yaml")[name]
+    stages = {s.name: s.params for s in plan.make_plan(spec).stages}
+    rec, prep = stages["recurrence"], stages["prepare"]
+    kinds = {"pool_rounds": 8 * plan.nbytes(spec.state_dtype), "tiles_rounds": 8 * plan.nbytes(spec.dtype)}
+    staged = {w: rec[key] for key, w in kinds.items() if rec[key]}
+    assert staged, "the recurrence stages no stores"
+    assert all(1 <= r <= plan.STAGING_MAX_ROUNDS for r in staged.values())
+    kv, k, bv = spec.state_layout == "kv", spec.head_dim_k, min(64, spec.head_dim_v)
+    used = plan._recurrence_smem_bytes(spec, rec["stages"]) + 1024 + max(
+        staging_bytes(w, bv, k, kv, r) for w, r in staged.items())
+    prepare = prep["overlap_ctas_per_sm"] * (prep["heads_per_cta"] * plan._prepare_warp_smem(spec) + 1024)
+    assert used + 1024 + prepare <= spec.arch_info.smem_bytes_per_sm
+    assert used <= spec.arch_info.smem_bytes_per_block
+
+
+def test_the_portable_recurrence_stages_nothing():
+    spec = load_spec_file("specs/sm90.yaml")["k128-mma_sync-kv"]
+    rec = next(s.params for s in plan.make_plan(spec).stages if s.name == "recurrence")
+    assert "pool_rounds" not in rec and "tiles_rounds" not in rec
