@@ -275,13 +275,15 @@ def _recurrence_smem_bytes(spec: KernelSpec, stages: int) -> int:
 
 
 def _recurrence_staging(spec: KernelSpec, stages: int, beside: int, heads: int) -> dict[str, Any]:
-    """The wgmma recurrence's staged state stores (`_staging`, one buffer): in the shared memory that an SM
-    leaves it beside `beside` prepare CTAs of `heads` warps, so that staging never keeps it from running
-    beside prepare."""
+    """The wgmma recurrence's staged state stores (`_staging`, one buffer): the pool's (checkpoints, final
+    states), in the shared memory that an SM leaves it beside `beside` prepare CTAs of `heads` warps, so that
+    staging never keeps it from running beside prepare. Tile states (the backward's, one every run) stay
+    stored from the accumulators: staged, a training step measured no faster (docs/experiments.md,
+    "Checkpoints and tile states staged in the two-stage recurrence")."""
     arch = spec.arch_info
     prepare = beside * (heads * _prepare_warp_smem(spec) + 1024)
     free = min(arch.smem_bytes_per_sm - prepare, arch.smem_bytes_per_block + 1024)
-    return _staging(spec, free - 1024 - _recurrence_smem_bytes(spec, stages), 1)
+    return _staging(spec, free - 1024 - _recurrence_smem_bytes(spec, stages), 1) | {"tiles_rounds": 0}
 
 
 def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
@@ -434,7 +436,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     if family == "wgmma":
         # Its producer warp fills stages as soon as they are free: three keep two steps of loads in flight.
         seq_params["stages"] = 3
-        # Checkpoints and tile states staged for a tensor copy, off the chain, as in the fused kernel.
+        # The pool's checkpoints and final states staged for a tensor copy, off the chain, as in the fused
+        # kernel.
         seq_params.update(_recurrence_staging(spec, 3, beside, heads))
     # The recurrence is compiled into `forward` (below), not launched on its own.
     recurrence = StagePlan(
@@ -445,6 +448,19 @@ def make_plan(spec: KernelSpec) -> Plan:
         note=f"the serial chain per (sequence, head): {block_v} value rows a CTA, "
         f"a {seq_params['stages']}-stage load pipeline" + _staging_note(seq_params),
     )
+    # The backward's states come from a recurrence run beside its reverse scan (`bwd_states`), where a
+    # staging buffer slows it (docs/experiments.md, "Checkpoints and tile states staged in the two-stage
+    # recurrence"): there the recurrence stages nothing, and it writes no pool checkpoints anyway.
+    bwd_recurrence = None
+    if seq_params.get("pool_rounds") or seq_params.get("tiles_rounds"):
+        bwd_recurrence = StagePlan(
+            "bwd_recurrence",
+            f"{family}/recurrence.py.j2",
+            {**seq_params, "pool_rounds": 0, "tiles_rounds": 0},
+            compiled=False,
+            note=f"the recurrence of `bwd_states`: {block_v} value rows a CTA, a "
+            f"{seq_params['stages']}-stage load pipeline, its states stored from the accumulators",
+        )
     # The whole-sequence path in one host call: the ready flags zeroed and, when the runtime asks for it
     # (KDAKernel._by_length), the sequences ranked longest first; then prepare and the recurrence beside it.
     forward = StagePlan(
@@ -582,7 +598,8 @@ def make_plan(spec: KernelSpec) -> Plan:
     # The states entering bwd_tile's runs, recomputed by the variant's recurrence alone on bwd_prepare's tiles
     # (templates/common/bwd_states.py.j2), beside the reverse scan.
     bwd_states = StagePlan(
-        "bwd_states", "common/bwd_states.py.j2", {**common},
+        "bwd_states", "common/bwd_states.py.j2",
+        {**common, "recurrence": bwd_recurrence.name if bwd_recurrence else recurrence.name},
         note=f"backward: the recurrence alone on bwd_prepare's tiles, keeping the state entering every "
              f"{bwd_state_tiles(spec) * CHUNK} tokens, beside the reverse scan",
     )
@@ -629,6 +646,8 @@ def make_plan(spec: KernelSpec) -> Plan:
         },
         note="backward: a tile's gradients of the inputs from its products, one CTA a tile and q/k head",
     )
+    bwd_imported = (bwd_recurrence,) if bwd_recurrence else ()
     stages = (prepare, recurrence, *fused_stages, forward, prescan, merge, segments, decode, *decode_stream,
-              bwd_prepare, bwd_states, bwd_scan, bwd_prescan, bwd_merge, bwd_segments, bwd_tile, bwd_grads)
+              bwd_prepare, *bwd_imported, bwd_states, bwd_scan, bwd_prescan, bwd_merge, bwd_segments,
+              bwd_tile, bwd_grads)
     return Plan(family=family, reason=reason, stages=stages, summary=summary)

@@ -38,6 +38,7 @@ def test_sm90a_auto_is_wgmma_with_shared_stages():
         "decode": "common/decode.py.j2",
         "decode_stream": "common/decode_stream.py.j2",
         "bwd_prepare": "mma_sync/bwd_prepare.py.j2",
+        "bwd_recurrence": "wgmma/recurrence.py.j2",
         "bwd_states": "common/bwd_states.py.j2",
         "bwd_scan": "mma_sync/bwd_scan.py.j2",
         "bwd_cp_prescan": "mma_sync/bwd_scan.py.j2",
@@ -85,6 +86,8 @@ def test_recurrence_is_compiled_into_forward_only(arch: str):
     names = [s.name for s in plan.stages]
     imported = ("prepare", "recurrence", "fused")
     assert names.index("forward") > max(names.index(n) for n in imported if n in names)
+    if "bwd_recurrence" in names:  # `bwd_states` imports it
+        assert names.index("bwd_states") > names.index("bwd_recurrence")
     stream = ["decode_stream"] if arch == "sm_90a" else []
     assert plan.stage_names == ["prepare", "forward", "cp_prescan", "cp_merge", "cp_segments", "decode",
                                 *stream, "bwd_prepare", "bwd_states", "bwd_scan", "bwd_cp_prescan",
@@ -305,3 +308,19 @@ def test_streaming_decode_ring_fits_shared_memory(arch: str, k: int, v: int, sta
     assert p["stages"] * slot + tokens + 1024 <= info.smem_bytes_per_block
     if (k, v, state_dtype) == (128, 128, "fp32"):
         assert p["stages"] == 3  # 64 KB states
+
+
+def test_bwd_states_take_a_recurrence_that_stages_nothing():
+    # The forward's wgmma recurrence stages the pool's stores; beside the backward's reverse scan a staging
+    # buffer slows the recurrence, so `bwd_states` imports a copy without one (the portable family has
+    # none to leave out).
+    stages = {s.name: s for s in make_plan(KernelSpec(arch="sm_90a")).stages}
+    assert stages["recurrence"].params["pool_rounds"] >= 1
+    bwd = stages["bwd_recurrence"]
+    assert not bwd.compiled and bwd.template == stages["recurrence"].template
+    assert bwd.params["pool_rounds"] == bwd.params["tiles_rounds"] == 0
+    assert {k: v for k, v in bwd.params.items() if not k.endswith("_rounds")} == {
+        k: v for k, v in stages["recurrence"].params.items() if not k.endswith("_rounds")}
+    assert stages["bwd_states"].params["recurrence"] == "bwd_recurrence"
+    portable = {s.name: s for s in make_plan(KernelSpec(arch="sm_90a", family="mma_sync")).stages}
+    assert "bwd_recurrence" not in portable and portable["bwd_states"].params["recurrence"] == "recurrence"

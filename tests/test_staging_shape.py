@@ -154,14 +154,15 @@ def test_an_fp32_pool_beside_the_ring_takes_four_rounds():
 
 @pytest.mark.parametrize("name", ["k128", "k128-vk", "k128-sbf16", "k128-gbf16", "k64"])
 def test_the_recurrence_stages_within_what_prepare_leaves_it(name):
-    # The wgmma recurrence runs beside prepare's CTAs: with its staging buffer it still fits the SM beside
-    # them (each CTA with the 1 KB reserve), and within one block's limit.
+    # The wgmma recurrence runs beside prepare's CTAs: with its staging buffer (the pool's stores only) it
+    # still fits the SM beside them (each CTA with the 1 KB reserve), and within one block's limit.
     spec = load_spec_file("specs/sm90.yaml")[name]
     stages = {s.name: s.params for s in plan.make_plan(spec).stages}
     rec, prep = stages["recurrence"], stages["prepare"]
     kinds = {"pool_rounds": 8 * plan.nbytes(spec.state_dtype), "tiles_rounds": 8 * plan.nbytes(spec.dtype)}
     staged = [(w, rec[key]) for key, w in kinds.items() if rec[key]]  # (width, rounds) of each staged kind
     assert staged, "the recurrence stages no stores"
+    assert rec["tiles_rounds"] == 0, "tile states are stored from the accumulators"
     assert all(1 <= r <= plan.STAGING_MAX_ROUNDS for _, r in staged)
     kv, k, bv = spec.state_layout == "kv", spec.head_dim_k, min(64, spec.head_dim_v)
     used = plan._recurrence_smem_bytes(spec, rec["stages"]) + 1024 + buffer_bytes(staged, bv, k, kv)
