@@ -278,8 +278,9 @@ def _recurrence_staging(spec: KernelSpec, stages: int, beside: int, heads: int) 
     """The wgmma recurrence's staged state stores (`_staging`, one buffer): the pool's (checkpoints, final
     states), in the shared memory that an SM leaves it beside `beside` prepare CTAs of `heads` warps, so that
     staging never keeps it from running beside prepare. Tile states (the backward's, one every run) stay
-    stored from the accumulators: staged, a training step measured no faster (docs/experiments.md,
-    "Checkpoints and tile states staged in the two-stage recurrence")."""
+    stored from the accumulators: the recomputing backward takes them from `bwd_recurrence`, which stages
+    nothing, and staging them in the forward that keeps them (recompute=False) is not measured
+    (docs/experiments.md, "Checkpoints and tile states staged in the two-stage recurrence")."""
     arch = spec.arch_info
     prepare = beside * (heads * _prepare_warp_smem(spec) + 1024)
     free = min(arch.smem_bytes_per_sm - prepare, arch.smem_bytes_per_block + 1024)
