@@ -243,6 +243,12 @@ def _prepare_ctas_beside(family: str, ctas: int, prepare_regs: int) -> int:
     return max(1, min(ctas - 1, fit))
 
 
+def _ring_stage_bytes(k: int, v: int) -> int:
+    """One stage of a wgmma ring (the fused kernel's and the recurrence's): kd, qd and Ak^T (CHUNK x K each),
+    Aq (CHUNK x CHUNK) and the value rows (CHUNK x `v`) in 16 bits, gt (K, fp32)."""
+    return 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
+
+
 def _fused_smem_bytes(
     spec: KernelSpec, stages: int = FUSED_STAGES, prep_warps: int = FUSED_PREP_WARPS
 ) -> int:
@@ -251,7 +257,7 @@ def _fused_smem_bytes(
     the barriers, the chain queue (an entry of 8 words and the head's dt_bias and exp(A_log) a slot) and the
     1 KB alignment of the four wgmma images."""
     k, v = spec.head_dim_k, spec.head_dim_v
-    stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * v * 2 + k * 4
+    stage = _ring_stage_bytes(k, v)
     per_warp = (2 * CHUNK * (k + 8) * 2 + CHUNK * k * 2 + CHUNK * (k + 8) * nbytes(spec.g_dtype) + CHUNK * 4
                 + CHUNK * CHUNK * 10)  # L and Mqk (fp32), P^T (fp16)
     queue = FUSED_QUEUE * (2 * 8 + 9 * 4 + k * 4)
@@ -269,22 +275,23 @@ def _recurrence_smem_bytes(spec: KernelSpec, stages: int) -> int:
     """Shared memory of one wgmma recurrence CTA (templates/wgmma/recurrence.py.j2) but its staging buffer:
     the ring (kd, qd, Ak, Aq, the V-slice and gt a stage), the 1 KB alignment of its four wgmma images and the
     barriers."""
-    k, bv = spec.head_dim_k, min(BLOCK_V, spec.head_dim_v)
-    stage = 3 * CHUNK * k * 2 + CHUNK * CHUNK * 2 + CHUNK * bv * 2 + k * 4
+    stage = _ring_stage_bytes(spec.head_dim_k, min(BLOCK_V, spec.head_dim_v))
     return stages * stage + 4 * 1024 + 2 * stages * 8
 
 
 def _recurrence_staging(spec: KernelSpec, stages: int, beside: int, heads: int) -> dict[str, Any]:
-    """The wgmma recurrence's staged state stores (`_staging`, one buffer): the pool's (checkpoints, final
-    states), in the shared memory that an SM leaves it beside `beside` prepare CTAs of `heads` warps, so that
-    staging never keeps it from running beside prepare. Tile states (the backward's, one every run) stay
-    stored from the accumulators: the recomputing backward takes them from `bwd_recurrence`, which stages
-    nothing, and staging them in the forward that keeps them (recompute=False) is not measured
-    (docs/experiments.md, "Checkpoints and tile states staged in the two-stage recurrence")."""
+    """The wgmma recurrence's staged state stores: the pool's (checkpoints, final states) in `pool_rounds`
+    rounds of one buffer (`_staging`), in the shared memory that an SM leaves it beside `beside` prepare CTAs
+    of `heads` warps, so that staging never keeps it from running beside prepare. Tile states (the
+    backward's, one every run) are stored from the accumulators: the recomputing backward takes them from
+    `bwd_recurrence`, which stages nothing, and staging them in the forward that keeps them
+    (recompute=False) is not measured (docs/experiments.md, "Checkpoints and tile states staged in the
+    two-stage recurrence")."""
     arch = spec.arch_info
     prepare = beside * (heads * _prepare_warp_smem(spec) + 1024)
     free = min(arch.smem_bytes_per_sm - prepare, arch.smem_bytes_per_block + 1024)
-    return _staging(spec, free - 1024 - _recurrence_smem_bytes(spec, stages), 1) | {"tiles_rounds": 0}
+    staging = _staging(spec, free - 1024 - _recurrence_smem_bytes(spec, stages), 1)
+    return {"pool_rounds": staging["pool_rounds"]}
 
 
 def _staging(spec: KernelSpec, free: int, buffers: int) -> dict[str, Any]:
@@ -453,11 +460,11 @@ def make_plan(spec: KernelSpec) -> Plan:
     # staging buffer slows it (docs/experiments.md, "Checkpoints and tile states staged in the two-stage
     # recurrence"): there the recurrence stages nothing, and it writes no pool checkpoints anyway.
     bwd_recurrence = None
-    if seq_params.get("pool_rounds") or seq_params.get("tiles_rounds"):
+    if seq_params.get("pool_rounds"):
         bwd_recurrence = StagePlan(
             "bwd_recurrence",
             f"{family}/recurrence.py.j2",
-            {**seq_params, "pool_rounds": 0, "tiles_rounds": 0},
+            {**seq_params, "pool_rounds": 0},
             compiled=False,
             note=f"the recurrence of `bwd_states`: {block_v} value rows a CTA, a "
             f"{seq_params['stages']}-stage load pipeline, its states stored from the accumulators",

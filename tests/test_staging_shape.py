@@ -159,13 +159,12 @@ def test_the_recurrence_stages_within_what_prepare_leaves_it(name):
     spec = load_spec_file("specs/sm90.yaml")[name]
     stages = {s.name: s.params for s in plan.make_plan(spec).stages}
     rec, prep = stages["recurrence"], stages["prepare"]
-    kinds = {"pool_rounds": 8 * plan.nbytes(spec.state_dtype), "tiles_rounds": 8 * plan.nbytes(spec.dtype)}
-    staged = [(w, rec[key]) for key, w in kinds.items() if rec[key]]  # (width, rounds) of each staged kind
-    assert staged, "the recurrence stages no stores"
-    assert rec["tiles_rounds"] == 0, "tile states are stored from the accumulators"
-    assert all(1 <= r <= plan.STAGING_MAX_ROUNDS for _, r in staged)
+    assert rec["pool_rounds"], "the recurrence stages no stores"
+    assert "tiles_rounds" not in rec, "tile states are stored from the accumulators"
+    assert 1 <= rec["pool_rounds"] <= plan.STAGING_MAX_ROUNDS
     kv, k, bv = spec.state_layout == "kv", spec.head_dim_k, min(64, spec.head_dim_v)
-    used = plan._recurrence_smem_bytes(spec, rec["stages"]) + 1024 + buffer_bytes(staged, bv, k, kv)
+    buffer = staging_bytes(8 * plan.nbytes(spec.state_dtype), bv, k, kv, rec["pool_rounds"])
+    used = plan._recurrence_smem_bytes(spec, rec["stages"]) + 1024 + buffer
     prepare = prep["overlap_ctas_per_sm"] * (prep["heads_per_cta"] * plan._prepare_warp_smem(spec) + 1024)
     assert used + 1024 + prepare <= spec.arch_info.smem_bytes_per_sm
     assert used <= spec.arch_info.smem_bytes_per_block
