@@ -1,4 +1,4 @@
-"""kdagen: a compiler for KDA (Kimi Delta Attention) forward kernels.
+"""kdagen: a compiler for KDA (Kimi Delta Attention) kernels: prefill, decode, backward.
 
 YAML spec -> planner -> Jinja templates rendered into ``generated/`` -> CuTe DSL compile -> binary cache ->
 ``kdagen.get_kernel(spec)``.

@@ -107,7 +107,7 @@ def _select(refs: Iterable[str], variants: tuple[str, ...]) -> list[tuple[str, s
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kdagen")
 def cli() -> None:
-    """kdagen: compile KDA (Kimi Delta Attention) forward kernels from YAML specs."""
+    """kdagen: compile KDA (Kimi Delta Attention) kernels (prefill, decode, backward) from YAML specs."""
 
 
 def _build_one(ref: str, force: bool) -> Any:
