@@ -108,8 +108,11 @@ class _Layer(torch.nn.Module):
         return o, o.float().square().mean(dim=-1), ht
 
 
+OP_SPEC = {"arch": "sm_90a", "gate": "lower_bound", "lower_bound": -5.0, "safe_gate": True}
+
+
 def test_custom_op_under_torch_compile_matches_eager() -> None:
-    spec = {"arch": "sm_90a", "gate": "lower_bound", "lower_bound": -5.0, "safe_gate": True}
+    spec = dict(OP_SPEC)
     HV, K = 4, 128
     inp = _inputs(T=257, H=4, HV=HV, K=K, V=128, raw_gate=True, seed=1)
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], torch.randn(HV, device="cuda") * 0.1,
@@ -128,6 +131,10 @@ def test_custom_op_under_torch_compile_matches_eager() -> None:
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
 
 
+# FLA's flags of the serving step on a pool (beside state_v_first, indices and the gate's parameters)
+POOL_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
+
+
 @pytest.mark.skipif(not HAS_FLA, reason="compares with FLA's fused_recurrent_kda_fwd (no fla-core)")
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 def test_fused_recurrent_kda_fwd_matches_fla_on_a_pool(state_v_first: bool) -> None:
@@ -141,8 +148,8 @@ def test_fused_recurrent_kda_fwd_matches_fla_on_a_pool(state_v_first: bool) -> N
     pool = torch.randn(8, h, K, K, device="cuda") * 0.1
     idx = torch.tensor([[0, 1], [2, 3], [5, 6]], device="cuda")
     accepted = torch.tensor([1, 2, 1], device="cuda")
-    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-                 state_v_first=state_v_first, ssm_state_indices=idx, num_accepted_tokens=accepted, **gate)
+    flags = dict(**POOL_FLAGS, state_v_first=state_v_first, ssm_state_indices=idx,
+                 num_accepted_tokens=accepted, **gate)
     ours_pool, theirs_pool = pool.clone(), pool.clone()
     with torch.inference_mode():
         o, _ = fla.fused_recurrent_kda_fwd(**inp, initial_state=ours_pool, **flags)

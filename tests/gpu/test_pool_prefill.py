@@ -159,8 +159,10 @@ def test_intracard_cp_on_a_pool(spec_name: str, cu: tuple[int, ...], idx: tuple[
     _check_pool_call(spec_name, "auto", cu, idx, fresh, policy, seed=5)
 
 
-@pytest.mark.parametrize(("spec_name", "family"), [("lb_safe", "auto"), ("p_reset_vk_bbf16", "mma_sync"),
-                                                   ("lb_safe_gva2_vk_bbf16", "auto")])
+CHUNKED = [("lb_safe", "auto"), ("p_reset_vk_bbf16", "mma_sync"), ("lb_safe_gva2_vk_bbf16", "auto")]
+
+
+@pytest.mark.parametrize(("spec_name", "family"), CHUNKED)
 def test_chunked_prefill_continues_from_the_slot(spec_name: str, family: str) -> None:
     spec = cases.SPECS[spec_name]
     kernel = _kernel(spec_name, family)
