@@ -28,7 +28,7 @@ benchmark length generators (§4.4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Literal
@@ -286,6 +286,33 @@ def _pad_sequences(x: Tensor, seqs: tuple[tuple[int, int, int], ...], t_max: int
     return out
 
 
+@dataclass(frozen=True)
+class _Steps:
+    """A call's sequences as token steps of all (sequence, value head) pairs at once: step t of every tensor
+    is [NH, ...], NH = N * HV, each sequence padded to t_max with q = k = v = g = beta = 0."""
+
+    decay: Tensor  # [t_max, NH, K, 1], exp(g)
+    q: Tensor  # [t_max, NH, 1, K]
+    k: Tensor  # [t_max, NH, K]
+    v: Tensor  # [t_max, NH, 1, V]
+    beta: Tensor  # [t_max, NH, 1, 1]
+    t_max: int
+
+
+_Pad = Callable[[Tensor, tuple[tuple[int, int, int], ...], int], Tensor]
+
+
+def _token_steps(p: _Prepared, pad: _Pad) -> _Steps:
+    # `pad` lays [B,T,...] out as [N,t_max,...] (into a new tensor or, for autograd, functionally)
+    nh = len(p.seqs) * p.out_shape[2]
+    kdim, vdim = p.k.shape[-1], p.out_shape[3]
+    t_max = max((eos - bos for _, bos, eos in p.seqs), default=0)
+    qs, ks, vs, gs, bs = (pad(x, p.seqs, t_max).transpose(0, 1) for x in (p.q, p.k, p.v, p.g, p.beta))
+    return _Steps(decay=gs.exp().reshape(t_max, nh, kdim, 1), q=qs.reshape(t_max, nh, 1, kdim),
+                  k=ks.reshape(t_max, nh, kdim), v=vs.reshape(t_max, nh, 1, vdim),
+                  beta=bs.reshape(t_max, nh, 1, 1), t_max=t_max)
+
+
 def kda_recurrent_reference(
     q: Tensor,
     k: Tensor,
@@ -319,17 +346,11 @@ def kda_recurrent_reference(
     B, T, HV, V = p.out_shape
     K = p.k.shape[-1]
     N = len(p.seqs)
-    t_max = max((eos - bos for _, bos, eos in p.seqs), default=0)
-
-    # Pad every sequence to t_max with q = k = v = 0, g = 0, beta = 0: such a step multiplies S by exactly 1
-    # and adds exactly 0, so all sequences advance in lock-step and the padding cannot change any result.
-    qs, ks, vs, gs, bs = (_pad_sequences(x, p.seqs, t_max) for x in (p.q, p.k, p.v, p.g, p.beta))
     NH = N * HV
-    decay = gs.exp().transpose(0, 1).reshape(t_max, NH, K, 1)
-    qs = qs.transpose(0, 1).reshape(t_max, NH, 1, K)
-    ks = ks.transpose(0, 1).reshape(t_max, NH, K)
-    vs = vs.transpose(0, 1).reshape(t_max, NH, 1, V)
-    bs = bs.transpose(0, 1).reshape(t_max, NH, 1, 1)
+    # Every sequence padded to t_max with q = k = v = 0, g = 0, beta = 0: such a step multiplies S by exactly
+    # 1 and adds exactly 0, so all sequences advance in lock-step and the padding cannot change any result.
+    st = _token_steps(p, _pad_sequences)
+    t_max = st.t_max
 
     if p.h0 is None:
         S = torch.zeros(NH, K, V, dtype=dtype, device=p.v.device)
@@ -337,11 +358,11 @@ def kda_recurrent_reference(
         S = p.h0.reshape(NH, K, V).clone()
     o_pad = torch.empty(t_max, NH, 1, V, dtype=dtype, device=p.v.device)
     for t in range(t_max):
-        S.mul_(decay[t])
-        kt = ks[t]
-        delta = bs[t] * (vs[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
+        S.mul_(st.decay[t])
+        kt = st.k[t]
+        delta = st.beta[t] * (st.v[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
         S.baddbmm_(kt.unsqueeze(2), delta)  # S += k delta^T
-        torch.bmm(qs[t], S, out=o_pad[t])
+        torch.bmm(st.q[t], S, out=o_pad[t])
 
     o_seq = o_pad.reshape(t_max, N, HV, V).transpose(0, 1)  # [N,t_max,HV,V]
     o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=p.v.device)
@@ -420,17 +441,11 @@ def kda_reference_autograd(
     B, T, HV, V = p.out_shape
     K = p.k.shape[-1]
     N = len(p.seqs)
-    t_max = max((eos - bos for _, bos, eos in p.seqs), default=0)
-
+    NH = N * HV
     # Zero padding (q = k = v = g = beta = 0) is an exact identity step, as in kda_recurrent_reference, and
     # it contributes exactly zero to every gradient.
-    qs, ks, vs, gs, bs = (_pad_sequences_functional(x, p.seqs, t_max) for x in (p.q, p.k, p.v, p.g, p.beta))
-    NH = N * HV
-    decay = gs.exp().transpose(0, 1).reshape(t_max, NH, K, 1)
-    qs = qs.transpose(0, 1).reshape(t_max, NH, 1, K)
-    ks = ks.transpose(0, 1).reshape(t_max, NH, K)
-    vs = vs.transpose(0, 1).reshape(t_max, NH, 1, V)
-    bs = bs.transpose(0, 1).reshape(t_max, NH, 1, 1)
+    st = _token_steps(p, _pad_sequences_functional)
+    t_max = st.t_max
 
     if p.h0 is None:
         S = torch.zeros(NH, K, V, dtype=dtype, device=p.v.device)
@@ -438,11 +453,11 @@ def kda_reference_autograd(
         S = p.h0.reshape(NH, K, V)
     outs: list[Tensor] = []
     for t in range(t_max):
-        S = S * decay[t]
-        kt = ks[t]
-        delta = bs[t] * (vs[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
+        S = S * st.decay[t]
+        kt = st.k[t]
+        delta = st.beta[t] * (st.v[t] - torch.bmm(kt.unsqueeze(1), S))  # beta (v - k^T S), [NH,1,V]
         S = S + torch.bmm(kt.unsqueeze(2), delta)  # S + k delta^T
-        outs.append(torch.bmm(qs[t], S))  # [NH,1,V]
+        outs.append(torch.bmm(st.q[t], S))  # [NH,1,V]
 
     if outs:
         o_seq = torch.cat(outs, dim=1).reshape(NH, t_max, V)
