@@ -22,7 +22,7 @@ rows = []
 for label, spec, target in prebuild.gpu_suite_jobs():
     ks = resolve_spec(spec)[1]
     check_target(ks, target)
-    rows.append([label, json.dumps(ks.model_dump(), sort_keys=True), target, len(make_plan(ks).stages)])
+    rows.append([label, ks.canonical_json(), target, len(make_plan(ks).stages)])
 print(json.dumps(rows))
 """
 

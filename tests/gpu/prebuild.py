@@ -15,7 +15,6 @@ sm_89 plans that `test_targets` compiles for sm_90a, the FLA drop-ins' flag sets
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -95,7 +94,7 @@ def gpu_suite_jobs() -> list[Job]:
     seen: set[str] = set()
     unique: list[Job] = []
     for label, spec, target in jobs:
-        identity = json.dumps(resolve_spec(spec)[1].model_dump(), sort_keys=True) + (target or "")
+        identity = resolve_spec(spec)[1].canonical_json() + (target or "")
         if identity not in seen:
             seen.add(identity)
             unique.append((label, spec, target))
