@@ -3,9 +3,11 @@
 Four parts, after prepare (`bwd_prepare`):
 1. The state entering every run of `bwd_tile`'s tiles (64 tokens, `plan.BWD_STATE_TILES` tiles), written
    in the MMA type into the slot of its run id (`floor(bos / 64) + seq + step`, the tiles' map at the run's
-   length). Recomputed in the backward by the recurrence alone on prepare's tiles (`bwd_states`), on a
+   length, `kdagen.kernels.run_map`). Recomputed in the backward by the recurrence alone on prepare's tiles
+   (`bwd_states`, which derives the slots from the offsets and writes the entering states itself), on a
    second stream beside part 2, or, where intra-card CP splits the call, by the kernel's own forward with a
-   checkpoint every run (`tile_states`); or saved by that forward (`recompute=False`).
+   checkpoint every run at the slots of a run map made here (`tile_states`); or saved by that forward
+   (`recompute=False`).
 2. The reverse scan of the state's gradient (`bwd_scan` stage, after `bwd_prepare`: prepare, also keeping
    every tile's intra-tile matrices Mqk and Akk): dS leaving every tile and the gradient of the initial
    states, from prepare's tiles and dO alone; split into segments by intra-card CP (`bwd_cp_*` stages)
@@ -32,6 +34,7 @@ import torch
 
 from kdagen import workspace
 from kdagen.arch import CHUNK
+from kdagen.kernels import run_map
 from kdagen.runtime import _TORCH_DTYPE, check_scale, state_shape
 
 if TYPE_CHECKING:
@@ -63,12 +66,13 @@ def _offsets(kernel: KDAKernel, cu_seqlens: torch.Tensor | None, bsz: int, seqle
 def _run_map(cu: torch.Tensor, most: int, run: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the first run id of every sequence [N] (int64), the slots of its checkpoints [N, most] (int32)):
     checkpoint m (after `run` (m + 1) tokens) goes to run m + 1's slot; the one at the sequence's end (its
-    final state, no run's start) is skipped (-1)."""
+    final state, no run's start) is skipped (-1). The formulas are `run_map`'s, which the states' recurrence
+    (`bwd_states`) evaluates on the device instead."""
     nseq = cu.numel() - 1
     cu = cu.long()
-    first = torch.div(cu[:-1], run, rounding_mode="floor") + torch.arange(nseq, device=cu.device)
-    # Sequence n takes ceil(length / run) runs; checkpoint m exists where run m + 1 does.
-    runs = torch.div(cu[1:] - cu[:-1] + (run - 1), run, rounding_mode="floor")
+    first = run_map.first_run(cu[:-1], torch.arange(nseq, device=cu.device), run)
+    # Checkpoint m exists where run m + 1 does.
+    runs = run_map.runs_of(cu[1:] - cu[:-1], run)
     m1 = torch.arange(1, most + 1, device=cu.device)
     ck = torch.where(m1 < runs[:, None], first[:, None] + m1, -1)
     return first, ck.to(torch.int32)
@@ -263,11 +267,10 @@ def run_backward(
 
     if side is not None:
         with side:
-            first, ck = _run_slots(kernel, cu, cu_seqlens is None, bsz, seqlen)
             h0 = None if initial_state is None else initial_state.to(kernel._state_dtype)
-            # (its o goes to dv, which bwd_tile writes after the join)
-            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, ck, states, dv)
-            _first_states(states, first, initial_state)
+            # (its o goes to dv, which bwd_tile writes after the join; the run map and the first states are
+            # the stage's own)
+            kernel._run_states(kd, qd, akt, aq, gt, v_c, cu_c, ws, buf, h0, states, dv)
     elif states is None:  # the forward's rerun, after the scan on the same stream
         _, _, states = tile_states(kernel, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                    initial_state=initial_state, cu_seqlens=cu_seqlens, policy=policy,

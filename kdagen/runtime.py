@@ -817,13 +817,14 @@ class KDAKernel:
 
     def _run_states(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,
                     gt: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, ws: workspace.Workspace,
-                    buf: torch.Tensor, initial_state: torch.Tensor | None, checkpoints: torch.Tensor,
-                    states: torch.Tensor, scratch: torch.Tensor) -> None:
+                    buf: torch.Tensor, initial_state: torch.Tensor | None, states: torch.Tensor,
+                    scratch: torch.Tensor) -> None:
         """The backward's kept states from prepare's tiles (after `_run_prepare` into `ws` / `buf`, whose
         ready flags it has raised): the recurrence alone (`bwd_states`) from each sequence's initial state
-        (zero when None), with a checkpoint every run of bwd_tile's tiles into `states` at the slots
-        `checkpoints` ([N, M], negative: skip). Its o goes to `scratch` ([T, HV, V] in the MMA type), a
-        buffer the caller writes again later. On the current stream."""
+        (zero when None) writes the state entering every run of bwd_tile's tiles into `states`, at the
+        slots `kdagen.kernels.run_map` derives from the offsets (no map from the host). Its o goes to
+        `scratch` ([T, HV, V] in the MMA type), a buffer the caller writes again later. On the current
+        stream."""
         total, hv, _ = kd.shape
         nseq = cu.numel() - 1
         device = kd.device
@@ -835,10 +836,13 @@ class KDAKernel:
         h0 = _prepared(initial_state) if initial_state is not None else unused
         idx, init = self._no_pool(device)
         start = self._no_start(device)
+        no_ck = self._cached(("no checkpoints", device), lambda: torch.full((1, 1), -1, dtype=torch.int32,
+                                                                             device=device))
         with self._stream_scope(device):
-            has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 1, 0
+            # to_tiles 2: the slots from the offsets, the entering state included (checkpoint_indices unread)
+            has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 2, 0
             self._bwd_states(kd, qd, akt, aq, gt, v, cu, ready, order, h0, unused, idx, init, start,
-                             checkpoints, states, has_h0, store_ht, pooled, self.bwd_state_tiles, to_tiles,
+                             no_ck, states, has_h0, store_ht, pooled, self.bwd_state_tiles, to_tiles,
                              scratch, by_length)
 
     def _run_reverse_scan(self, kd: torch.Tensor, qd: torch.Tensor, akt: torch.Tensor, aq: torch.Tensor,

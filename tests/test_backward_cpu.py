@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kdagen
-from kdagen import ops
+from kdagen import backward, ops
 from kdagen.chunk_math import chunk_parts, chunk_stage_backward
 from kdagen.plan import bwd_state_tiles
 from kdagen.policy import SchedulePolicy
@@ -118,10 +118,13 @@ class EmuKernel:
         seg = policy.intracard_cp if policy is not None and isinstance(policy.intracard_cp, int) else None
         return SimpleNamespace(seg_len=seg)
 
-    def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, checkpoints, states, scratch):
-        # As KDAKernel's (bwd_states): the recurrence from each sequence's initial state with a checkpoint
-        # every run into `states`, here the emulated forward on the inputs of the forward run last.
+    def _run_states(self, kd, qd, akt, aq, gt, v, cu, ws, buf, initial_state, states, scratch):
+        # As KDAKernel's (bwd_states): the recurrence from each sequence's initial state writing the state
+        # entering every run into `states`, here the emulated forward on the inputs of the forward run last,
+        # at the slots of the host's run map (the formulas the stage evaluates on the device).
         x, nseq = self.last, cu.numel() - 1
+        most = max(1, v.shape[0] // (16 * self.bwd_state_tiles))
+        first, checkpoints = backward._run_map(cu, most, 16 * self.bwd_state_tiles)
         pool = (initial_state.clone() if initial_state is not None
                 else torch.zeros(state_shape(self.spec, nseq, v.shape[1])))
         self.states_runs += 1
@@ -130,6 +133,7 @@ class EmuKernel:
                       dt_bias=x["dt_bias"], cu_seqlens=x["cu_seqlens"], state_pool=pool,
                       state_indices=torch.arange(nseq, dtype=torch.int32), checkpoint_indices=checkpoints,
                       checkpoint_interval=16 * self.bwd_state_tiles, tile_states=states)
+        backward._first_states(states, first, initial_state)
 
     def _cached(self, key, make):
         # as KDAKernel's: constant helper tensors made once a key

@@ -10,6 +10,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from kdagen.kernels import run_map
+
 __all__ = [
     "swizzled_rows",
     "row_copy",
@@ -23,6 +25,7 @@ __all__ = [
     "checkpoint_first",
     "checkpoint_slot",
     "checkpoint_step",
+    "tile_runs",
     "state_tile",
     "store_state_tile",
     "state_load",
@@ -182,14 +185,14 @@ def state_slots(mIdx: cute.Tensor, mInit: cute.Tensor, seq: cutlass.Int32, num_s
 
 @cute.jit
 def checkpoint_first(mStart: cute.Tensor, mCk: cute.Tensor, seq: cutlass.Int32, num_seqs: cutlass.Int32,
-                     every: cutlass.Int32, step0: cutlass.Int32, bt: cutlass.Constexpr):
+                     every: cutlass.Int32, step0: cutlass.Int32, bt: cutlass.Constexpr, runs=None):
     # Prefix-cache checkpoints of sequence `seq`: (the first step at or after step0 whose end is one, its
     # checkpoint number, its pool slot), or (-1, 0, -1) for none. The piece starts at absolute position
     # start_positions[seq] (tokens already in the state); checkpoint m is the state at the m-th multiple of
     # C = every * bt past it. With a start that is a multiple of bt they fall on step ends, every `every`
     # steps from the first; a start that is not (the caller's duty) takes none: those states are never
     # formed. Sequences past mStart's length start at 0 (the runtime passes a one-element zero when no
-    # positions are given).
+    # positions are given). `runs`: `tile_runs`' slots, where the recurrence takes them.
     nxt = cutlass.Int32(-1)
     m = cutlass.Int32(0)
     slot = cutlass.Int32(-1)
@@ -203,18 +206,44 @@ def checkpoint_first(mStart: cute.Tensor, mCk: cute.Tensor, seq: cutlass.Int32, 
             if step0 > first:
                 m = (step0 - first + every - 1) // every
                 nxt = first + m * every
-            slot = checkpoint_slot(mCk, seq, m)
+            slot = checkpoint_slot(mCk, seq, m, runs)
     return nxt, m, slot
 
 
 @cute.jit
-def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32) -> cutlass.Int32:
+def checkpoint_slot(mCk: cute.Tensor, seq: cutlass.Int32, m: cutlass.Int32, runs=None) -> cutlass.Int32:
     # The pool slot of checkpoint m of sequence seq: checkpoint_indices[seq, m], or -1 (skip) past its M
-    # columns or where the caller put a negative index.
+    # columns or where the caller put a negative index. With `runs` (`tile_runs`: the first checkpoint's
+    # slot and their count, a negative count where the caller gave checkpoint_indices) the slot is derived.
     slot = cutlass.Int32(-1)
-    if m < mCk.shape[1]:
-        slot = mCk[seq, m]
+    if cutlass.const_expr(runs is None):
+        if m < mCk.shape[1]:
+            slot = mCk[seq, m]
+    else:
+        first, count = runs
+        if count >= 0:
+            if m < count:
+                slot = first + m
+        elif m < mCk.shape[1]:
+            slot = mCk[seq, m]
     return slot
+
+
+@cute.jit
+def tile_runs(to_tiles: cutlass.Int32, bos: cutlass.Int32, seq: cutlass.Int32, run_len: cutlass.Int32,
+              every: cutlass.Int32, bt: cutlass.Constexpr):
+    # The backward's kept states with their slots derived from the offsets (`to_tiles` 2, no
+    # checkpoint_indices to read): (the slot of the run after the sequence's first, the count of its
+    # checkpoints: one a run of `every` steps but the last, whose end is the sequence's final state), by the
+    # host's formulas (`run_map`); (0, -1) otherwise. The state entering the first run (the initial state)
+    # goes to first - 1, which no checkpoint writes: the recurrence stores it as it starts.
+    first = cutlass.Int32(0)
+    count = cutlass.Int32(-1)
+    if to_tiles == 2:
+        run = every * bt
+        first = run_map.first_run(bos, seq, run) + 1
+        count = cutlass.max(run_map.runs_of(run_len, run) - 1, 0)
+    return first, count
 
 
 @cute.jit
@@ -222,7 +251,7 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
                     mCk: cute.Tensor, seq: cutlass.Int32, hv: cutlass.Int32, v0: cutlass.Int32,
                     step: cutlass.Int32, rows: cutlass.Int32, ck_next: cutlass.Int32, ck_m: cutlass.Int32,
                     ck_slot: cutlass.Int32, every: cutlass.Int32, bv: cutlass.Constexpr,
-                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr, staging=None):
+                    bt: cutlass.Constexpr, kv_layout: cutlass.Constexpr, staging=None, runs=None):
     # After step `step` of a sequence (`rows` of its bt tokens in the run): when it ends on the next
     # checkpoint (`checkpoint_first`), the state in the accumulators (S^T rows v0 .. v0 + bv, partitioned by
     # the MMA slice `thr_s`) goes to its slot `ck_slot`, and the next checkpoint is `every` steps on. The
@@ -231,8 +260,8 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
     # Its slot is read now, so that the read's latency passes in those steps instead of stalling the
     # serial chain at the checkpoint. A partial last step ends short of its checkpoint: no write. One
     # compare a step otherwise. With `staging` (a `state_copy.StagedStores`: sm_90 and later), the kinds of
-    # store it takes go through shared memory and a tensor copy, which drains off the chain. Returns (ck_next,
-    # ck_m, ck_slot): the caller rebinds them in its step loop.
+    # store it takes go through shared memory and a tensor copy, which drains off the chain. `runs`: as
+    # `checkpoint_slot`'s. Returns (ck_next, ck_m, ck_slot): the caller rebinds them in its step loop.
     if step == ck_next and rows >= bt:
         if ck_slot >= 0:
             if to_tiles != 0:
@@ -246,7 +275,7 @@ def checkpoint_step(thr_s, acc_s: cute.Tensor, mHt: cute.Tensor, mTs: cute.Tenso
                 store_state_tile(thr_s, acc_s, mHt, ck_slot, hv, v0, bv, kv_layout)
         ck_m = ck_m + 1
         ck_next = ck_next + every
-        ck_slot = checkpoint_slot(mCk, seq, ck_m)
+        ck_slot = checkpoint_slot(mCk, seq, ck_m, runs)
     return ck_next, ck_m, ck_slot
 
 
