@@ -57,3 +57,35 @@ def test_device_slots_are_the_host_map(cu: list[int]) -> None:
         length = cu[seq + 1] - cu[seq]
         if length:
             assert 1 + len(checkpoints[seq]) == -(-length // RUN)
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_the_states_recurrence_takes_no_host_map(with_h0: bool) -> None:
+    # `KDAKernel._run_states` launches bwd_states with ck_tiles 2 (slots from the offsets, the entering
+    # state stored by the stage) and a one-element placeholder where checkpoint_indices would go.
+    from kdagen import workspace
+    from kdagen.plan import make_plan
+    from kdagen.runtime import KDAKernel
+    from kdagen.spec import KernelSpec
+
+    calls: list[tuple] = []
+    spec = KernelSpec(arch="sm_90a")
+    plan = make_plan(spec)
+    stages = {n: (lambda *a: calls.append(a)) if n == "bwd_states" else (lambda *a: None)
+              for n in plan.stage_names}
+    kern = KDAKernel(spec, plan, stages)
+    total, hv, nseq = 200, 2, 3
+    ws = workspace.layout(total, hv, nseq, 128, 2)
+    buf = torch.empty((ws.size,), dtype=torch.uint8)
+    kd = torch.empty(total, hv, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 64, 64, 200], dtype=torch.int32)
+    h0 = torch.zeros(nseq, hv, 128, 128) if with_h0 else None
+    states = torch.empty(workspace.tile_slots(total, nseq, kern.bwd_state_tiles), hv, 128, 128,
+                         dtype=torch.bfloat16)
+    kern._run_states(kd, kd, kd, kd[..., :16], torch.empty(1), kd, cu, ws, buf, h0, states, kd)
+    (args,) = calls
+    ck, ts, has_h0, every, to_tiles = args[14], args[15], args[16], args[19], args[20]
+    assert to_tiles == 2 and every == kern.bwd_state_tiles == RUN // 16
+    assert ck.shape == (1, 1) and ck.item() == -1  # unread with ck_tiles 2
+    assert ts is states and has_h0 == int(with_h0)
+    assert (args[9] is h0) if with_h0 else args[9].shape[0] == 1  # the initial states, or the unused slot
