@@ -685,6 +685,12 @@ class KDAKernel:
         return (self._cached(("idx", device), lambda: torch.zeros(1, dtype=torch.int32, device=device)),
                 self._cached(("init", device), lambda: torch.zeros(1, dtype=torch.uint8, device=device)))
 
+    def _no_checkpoints(self, device: torch.device) -> torch.Tensor:
+        # checkpoint_indices' one-element stand-in where the stages read none (no checkpoints, or slots the
+        # stage derives itself); -1 would skip, were it read.
+        return self._cached(("ckpt", device),
+                            lambda: torch.full((1, 1), -1, dtype=torch.int32, device=device))
+
     def _unused_state(self, device: torch.device, hv: int) -> torch.Tensor:
         # A one-slot zero state (the state dtype) where a stage's initial or final state is not read or
         # written: no initial state given, no final state asked for.
@@ -836,8 +842,7 @@ class KDAKernel:
         h0 = _prepared(initial_state) if initial_state is not None else unused
         idx, init = self._no_pool(device)
         start = self._no_start(device)
-        no_ck = self._cached(("no checkpoints", device), lambda: torch.full((1, 1), -1, dtype=torch.int32,
-                                                                             device=device))
+        no_ck = self._no_checkpoints(device)
         with self._stream_scope(device):
             # to_tiles 2: the slots from the offsets, the entering state included (checkpoint_indices unread)
             has_h0, store_ht, pooled, to_tiles, by_length = int(initial_state is not None), 0, 0, 2, 0
@@ -1040,7 +1045,7 @@ class KDAKernel:
         # Prefix-cache checkpoints: the pieces' start positions (absent: the one-element zero, which the
         # kernels extend with zeros) and the checkpoints' slots, or one-element dummies with every = 0.
         start = self._no_start(device)
-        ckpt = self._cached(("ckpt", device), lambda: torch.zeros((1, 1), dtype=torch.int32, device=device))
+        ckpt = self._no_checkpoints(device)
         every = 0
         if checkpoint_interval is not None:
             every = checkpoint_interval // CHUNK

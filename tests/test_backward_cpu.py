@@ -123,8 +123,7 @@ class EmuKernel:
         # entering every run into `states`, here the emulated forward on the inputs of the forward run last,
         # at the slots of the host's run map (the formulas the stage evaluates on the device).
         x, nseq = self.last, cu.numel() - 1
-        most = max(1, v.shape[0] // (16 * self.bwd_state_tiles))
-        first, checkpoints = backward._run_map(cu, most, 16 * self.bwd_state_tiles)
+        first, checkpoints = backward._run_slots(self, cu, False, 1, v.shape[0])
         pool = (initial_state.clone() if initial_state is not None
                 else torch.zeros(state_shape(self.spec, nseq, v.shape[1])))
         self.states_runs += 1
