@@ -58,6 +58,7 @@ __all__ = [
     "overlap",
     "decode_parts",
     "decode_streams",
+    "decode_token_stores",
 ]
 
 _TOGGLE = ("auto", "on", "off")
@@ -75,6 +76,9 @@ DECODE_PER_ITEM_VK = 16
 # The streaming decode returns a request's final state through its ring stage (a bulk copy by the loader)
 # from this many items a CTA; below, the consumers store it word by word (`decode_staged_store`).
 DECODE_STAGED_MIN_ITEMS = 16
+# With one slot a token (speculative verify), the streaming decode copies each token's state out through the
+# item's ring stage from this many items a CTA (`decode_token_stores`); below, the consumers store it.
+DECODE_TOKEN_STAGED_MIN_ITEMS = 16
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -486,6 +490,14 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
     while 2 * parts <= max_parts and head_dim_v % (16 * 2 * parts) == 0 and items * 2 * parts <= sms:
         parts *= 2
     return parts
+
+
+def decode_token_stores(items: int, ctas: int) -> bool:
+    """Whether the streaming decode's consumers, with one slot a token (speculative verify) and whole states,
+    write each token's state through their item's ring stage and bulk-copy it to its slot (one copy a state,
+    issued while the next token runs), rather than storing it word by word from registers: from
+    `DECODE_TOKEN_STAGED_MIN_ITEMS` items a CTA. The stage is held until the last copy has read it."""
+    return items >= DECODE_TOKEN_STAGED_MIN_ITEMS * ctas
 
 
 def decode_staged_store(items: int, ctas: int) -> bool:

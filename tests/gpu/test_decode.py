@@ -38,8 +38,9 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Every test runs on both decode stages: one CTA an item (forced), and the streaming grid (the automatic
     choice where the variant has it; skipped where it has not). There with whole states and with states split
     into value parts wherever there are fewer items than SMs, whatever the layout and token count
-    (`decode_parts` forced either way), the final states returned through the ring (`decode_staged_store`
-    forced, as on calls of many items); and with whole states stored by the consumers (as on few)."""
+    (`decode_parts` forced either way), the final states and a speculative token's states returned through
+    the ring (`decode_staged_store` and `decode_token_stores` forced, as on calls of many items); and with
+    whole states stored by the consumers (as on few)."""
     path = request.param
     kernel_for = cases.kernel_for
     rule = kdagen.decode.decode_parts
@@ -50,6 +51,7 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
                             lambda items, sms, v, v_first, tokens: rule(items, sms, v, True, tokens))
     if path != "off":
         monkeypatch.setattr(kdagen.decode, "decode_staged_store", lambda items, ctas: path != "direct")
+        monkeypatch.setattr(kdagen.decode, "decode_token_stores", lambda items, ctas: path != "direct")
 
     def forced(name: str) -> Any:
         kernel = kernel_for(name)
@@ -115,7 +117,7 @@ def test_decode_step_on_a_pool(spec_name: str, interleave: int) -> None:
 
 
 @pytest.mark.parametrize("spec_name", ["lb_safe", "p_reset_vk_bbf16", "lb_safe_gva4_k64v64",
-                                       "lb_safe_gva2_vk_bbf16_logit_x2"])
+                                       "lb_safe_gva2_vk_bbf16_logit_x2", "lb_safe_sbf16"])
 @pytest.mark.parametrize("accepted", [[1, 2, 4], [4, 1, 3]])
 def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, accepted: list[int]) -> None:
     spec = cases.SPECS[spec_name]
@@ -138,6 +140,41 @@ def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, ac
         _, ref_t = _reference(spec, part, h0)
         for r in range(n):
             assert_close(f"state after token {t} of request {r}", ref_t[r], pool[int(idx[r, t])], TOL)
+
+
+@pytest.mark.parametrize("spec_name", ["lb_safe", "lb_safe_sbf16", "p_reset_vk_bbf16"])
+def test_verify_skips_negative_token_slots_and_padded_requests(spec_name: str) -> None:
+    """A verify row's negative entry after the loaded one skips that token's state (its slot untouched, the
+    later tokens' states still written); a request whose loaded entry is negative is padding: o zero and
+    none of its slots written."""
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    n, s, h = 3, 4, 2
+    hv = h * spec["gva_ratio"]
+    inp = _inputs(spec, n, s, h, seed=7)
+    pool = cases.decode_pool(spec, 4 * n + 2, hv)
+    idx = torch.arange(4 * n, device="cuda", dtype=torch.int32).view(n, 4)
+    idx[0, 2] = -1  # request 0: token 2's state is not kept
+    idx[2, 0] = -1  # request 2 loads from entry 0: padding
+    before = pool.clone()
+    h0 = torch.stack([pool[max(int(idx[r, 0]), 0)] for r in range(n)])
+    o = _call(kernel, inp, state_pool=pool, state_indices=idx,
+              num_accepted_tokens=torch.ones(n, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    ref_o, _ = _reference(spec, inp, h0)
+    assert_close("o", ref_o[:2], o[:2], TOL)
+    assert torch.count_nonzero(o[2]) == 0, "o of a padded request is not zero"
+    for t in range(s):
+        part = {
+            key: (val[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else val) for key, val in inp.items()
+        }
+        _, ref_t = _reference(spec, part, h0)
+        for r in range(2):
+            slot = int(idx[r, t])
+            if slot >= 0:
+                assert_close(f"state after token {t} of request {r}", ref_t[r], pool[slot], TOL)
+    untouched = [2, 8, 9, 10, 11, 4 * n, 4 * n + 1]  # request 0's token 2, request 2's four, the spares
+    assert torch.equal(pool[untouched], before[untouched]), "a skipped or padded slot was written"
 
 
 def test_output_only_verify_and_fresh_requests() -> None:
