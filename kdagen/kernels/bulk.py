@@ -14,7 +14,10 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-__all__ = ["global_address", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait_read", "bulk_wait_all"]
+__all__ = [
+    "global_address", "bulk_load", "bulk_store", "bulk_commit", "bulk_wait_read", "bulk_wait_all",
+    "group_wait_read", "group_store",
+]
 
 
 @cute.jit
@@ -70,3 +73,25 @@ def bulk_wait_all(*, loc=None, ip=None):
     so that a later store to the same addresses lands after them."""
     llvm.inline_asm(None, [], "cp.async.bulk.wait_group 0;", "", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def group_wait_read(leader, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
+    """Before a group of `threads` threads (named barrier `barrier_id`) rewrites shared memory that its
+    leader bulk-copied out (`group_store`): the leader waits until its copies have read it, and the barrier
+    tells the rest."""
+    if leader:
+        bulk_wait_read()
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@cute.jit
+def group_store(dst, src, nbytes, leader, threads: cutlass.Constexpr, barrier_id: cutlass.Constexpr):
+    """After every thread of the group has written its part of `nbytes` at shared address `src`: the writes
+    made visible to the copy engine, a barrier, and the leader's one bulk copy to global address `dst`, in
+    a group of its own, which proceeds while the threads go on."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if leader:
+        bulk_store(dst, src, nbytes)
+        bulk_commit()
