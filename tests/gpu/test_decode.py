@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kdagen.decode
+import kdagen.policy
 from kdagen.errors import InputError
 from kdagen.policy import SchedulePolicy
 from kdagen.reference import assert_close, rel_rmse
@@ -175,6 +176,42 @@ def test_verify_skips_negative_token_slots_and_padded_requests(spec_name: str) -
                 assert_close(f"state after token {t} of request {r}", ref_t[r], pool[slot], TOL)
     untouched = [2, 8, 9, 10, 11, 4 * n, 4 * n + 1]  # request 0's token 2, request 2's four, the spares
     assert torch.equal(pool[untouched], before[untouched]), "a skipped or padded slot was written"
+
+
+@pytest.mark.parametrize("spec_name", ["lb_safe", "lb_safe_sbf16", "p_reset_vk_bbf16"])
+def test_verify_of_many_requests_takes_the_ring_and_matches_the_stores(
+    spec_name: str, decode_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify call large enough for the automatic rule to copy each token's state out through the ring
+    (`decode_token_stores`: 16 items a CTA) writes the same o and the same slots, bit for bit, as the
+    consumers' own stores, and matches the fp64 recurrence. On the streaming grid with whole states only."""
+    if decode_path != "whole":
+        pytest.skip("the streaming grid with whole states (the other paths store from registers)")
+    spec = cases.SPECS[spec_name]
+    kernel = cases.kernel_for(spec_name)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    h, s = 16, 3
+    hv = h * spec["gva_ratio"]
+    n = -(-16 * sms // hv)  # 16 (request, value head) items an SM
+    monkeypatch.setattr(kdagen.decode, "decode_token_stores", kdagen.policy.decode_token_stores)
+    assert kdagen.decode.decode_token_stores(n * hv, sms)
+    inp = _inputs(spec, n, s, h, seed=13)
+    pool = cases.decode_pool(spec, s * n + 1, hv)
+    idx = torch.randperm(s * n, device="cuda", dtype=torch.int32).view(n, s)
+    acc = torch.ones(n, dtype=torch.int32, device="cuda")
+    h0 = pool[idx[:, 0].long()].clone()
+    outs = {}
+    for rule in (True, False):
+        monkeypatch.setattr(kdagen.decode, "decode_token_stores", lambda items, ctas, rule=rule: rule)
+        mine = pool.clone()
+        o = _call(kernel, inp, state_pool=mine, state_indices=idx, num_accepted_tokens=acc)
+        outs[rule] = (o, mine)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[True][0], outs[False][0]), "o differs between the ring's copies and the stores"
+    assert torch.equal(outs[True][1], outs[False][1]), "the pool differs between the copies and the stores"
+    ref_o, ref_ht = _reference(spec, inp, h0)
+    assert_close("o", ref_o, outs[True][0], TOL)
+    assert_close("state after the last token", ref_ht, outs[True][1][idx[:, s - 1].long()], TOL)
 
 
 def test_output_only_verify_and_fresh_requests() -> None:
