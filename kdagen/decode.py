@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kdagen.dtypes import nbytes
-from kdagen.policy import decode_parts, decode_staged_store, decode_streams, decode_token_stores
+from kdagen.policy import decode_parts, decode_staged_store, decode_streams
 from kdagen.runtime import (
     _check_no_grad,
     _compact,
@@ -209,9 +209,7 @@ def run_decode(
             parts = decode_parts(nreq * hv, sms, vdim, v_first, tokens)
             items = nreq * hv * parts
             ctas = min(items, sms)
-            # staged: bit 0 the final state, bit 1 each token's (one slot a token) through the ring
-            staged = int(decode_staged_store(items, ctas)) | 2 * int(decode_token_stores(items, ctas))
-            kernel._decode_stream(*args, parts, staged, ctas)
+            kernel._decode_stream(*args, parts, int(decode_staged_store(items, ctas)), ctas)
         else:
             kernel._decode(*args)
     return o

@@ -58,7 +58,6 @@ __all__ = [
     "overlap",
     "decode_parts",
     "decode_streams",
-    "decode_token_stores",
 ]
 
 _TOGGLE = ("auto", "on", "off")
@@ -73,12 +72,10 @@ DECODE_PER_ITEM_KV = 1
 DECODE_PER_ITEM_KV_LONG = 2
 DECODE_LONG_TOKENS = 4
 DECODE_PER_ITEM_VK = 16
-# The streaming decode returns a request's final state through its ring stage (a bulk copy by the loader)
-# from this many items a CTA; below, the consumers store it word by word (`decode_staged_store`).
+# The streaming decode returns a request's final state, or a verify token's states, through its ring stage
+# (bulk copies) from this many items a CTA; below, the consumers store them word by word
+# (`decode_staged_store`).
 DECODE_STAGED_MIN_ITEMS = 16
-# With one slot a token (speculative verify), the streaming decode copies each token's state out through the
-# item's ring stage from this many items a CTA (`decode_token_stores`); below, the consumers store it.
-DECODE_TOKEN_STAGED_MIN_ITEMS = 16
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -492,23 +489,16 @@ def decode_parts(items: int, sms: int, head_dim_v: int, v_first: bool, tokens: i
     return parts
 
 
-def decode_token_stores(items: int, ctas: int) -> bool:
-    """Whether the streaming decode's consumers, with one slot a token (speculative verify) and whole states,
-    write each token's state through their item's ring stage and bulk-copy it to its slot (one copy a state,
-    issued while the next token runs), rather than storing it word by word from registers: from
-    `DECODE_TOKEN_STAGED_MIN_ITEMS` items a CTA. The stage is held until the last copy has read it (H200,
-    fp32 state: 2-4% faster at 128-256 requests of 2-8 tokens, within 2% either way at 8-32 requests;
-    docs/experiments.md, "Decode: a verify token's state by bulk copy")."""
-    return items >= DECODE_TOKEN_STAGED_MIN_ITEMS * ctas
-
-
 def decode_staged_store(items: int, ctas: int) -> bool:
     """Whether the streaming decode's CTAs, `items` (request, value head, value part) items over `ctas`,
-    return each request's final state through its ring stage, bulk-copied by the loader, rather than by the
-    consumers' stores from registers: from `DECODE_STAGED_MIN_ITEMS` items a CTA. The bulk copy streams the
-    bytes at a lower cost to the consumers (H200: 3-4% at 128-256 requests of HV 32 or 64), but holds the
-    stage until the copy has read it, which delays the next load into it: 1-3% slower at 8 items a CTA
-    (docs/experiments.md, "Decode: the final state by bulk copy")."""
+    return states through their ring stages by bulk copy rather than by the consumers' stores from
+    registers: from `DECODE_STAGED_MIN_ITEMS` items a CTA. With one slot a request, the final state,
+    bulk-copied by the loader (H200: 3-4% faster at 128-256 requests of HV 32 or 64, 1-3% slower at 8 items
+    a CTA, where holding the stage until the copy has read it delays the next load into it;
+    docs/experiments.md, "Decode: the final state by bulk copy"); with one slot a token (speculative verify)
+    and whole states, each token's state, bulk-copied by a consumer while the next token runs (H200, fp32
+    state: 2-4% faster at 128-256 requests of 2-8 tokens, within 2% either way at 8-32 requests; "Decode: a
+    verify token's state by bulk copy")."""
     return items >= DECODE_STAGED_MIN_ITEMS * ctas
 
 

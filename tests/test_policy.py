@@ -25,7 +25,6 @@ from kdagen.policy import (
     decode_parts,
     decode_staged_store,
     decode_streams,
-    decode_token_stores,
     device_picks_fused,
     fused_args,
     overlap,
@@ -492,22 +491,10 @@ def test_decode_parts_spread_few_items_over_the_sms(items: int, sms: int, v: int
 @pytest.mark.parametrize(("items", "ctas", "expected"), [
     (1024, 132, False),  # HV 32, 32 requests: under 8 items a CTA, the consumers store the states
     (2111, 132, False),
-    (2112, 132, True),  # 16 items a CTA: the final states go back through the ring
+    (2112, 132, True),  # 16 items a CTA: final and verify states go back through the ring
     (8192, 132, True),
     (16, 1, True),
     (15, 1, False),
 ])
 def test_decode_staged_store_from_sixteen_items_a_cta(items: int, ctas: int, expected: bool):
     assert decode_staged_store(items, ctas) is expected
-
-
-@pytest.mark.parametrize(("items", "ctas", "expected"), [
-    (1024, 132, False),  # HV 32, 32 requests: the consumers store each token's state from registers
-    (2111, 132, False),
-    (2112, 132, True),  # 16 items a CTA: through the ring, a bulk copy a state
-    (8192, 132, True),
-    (16, 1, True),
-    (15, 1, False),
-])
-def test_decode_token_stores_from_sixteen_items_a_cta(items: int, ctas: int, expected: bool):
-    assert decode_token_stores(items, ctas) is expected

@@ -40,8 +40,8 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     choice where the variant has it; skipped where it has not). There with whole states and with states split
     into value parts wherever there are fewer items than SMs, whatever the layout and token count
     (`decode_parts` forced either way), the final states and a speculative token's states returned through
-    the ring (`decode_staged_store` and `decode_token_stores` forced, as on calls of many items); and with
-    whole states stored by the consumers (as on few)."""
+    the ring (`decode_staged_store` forced, as on calls of many items); and with whole states stored by the
+    consumers (as on few)."""
     path = request.param
     kernel_for = cases.kernel_for
     rule = kdagen.decode.decode_parts
@@ -52,7 +52,6 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
                             lambda items, sms, v, v_first, tokens: rule(items, sms, v, True, tokens))
     if path != "off":
         monkeypatch.setattr(kdagen.decode, "decode_staged_store", lambda items, ctas: path != "direct")
-        monkeypatch.setattr(kdagen.decode, "decode_token_stores", lambda items, ctas: path != "direct")
 
     def forced(name: str) -> Any:
         kernel = kernel_for(name)
@@ -84,6 +83,13 @@ def _inputs(spec: dict[str, Any], n: int, s: int, h: int, seed: int, init: bool 
 def _reference(spec: dict[str, Any], inp: dict[str, Any], h0: Any) -> tuple[torch.Tensor, Any]:
     # the fp64 recurrence from the state h0 (the slots the kernel reads), final state included
     return cases.run_reference(spec, {**inp, "initial_state": h0})
+
+
+def _states_after_each_token(spec: dict[str, Any], inp: dict[str, Any], h0: Any, s: int) -> list[Any]:
+    # the fp64 states after tokens 0 .. s - 1 of every request, from h0 (a verify's slots, token by token)
+    tokens = ("q", "k", "v", "g", "beta")
+    return [_reference(spec, {key: (val[:, : t + 1] if key in tokens else val) for key, val in inp.items()},
+                       h0)[1] for t in range(s)]
 
 
 def _call(kernel: Any, inp: dict[str, Any], **kw: Any) -> torch.Tensor:
@@ -134,11 +140,7 @@ def test_speculative_verify_writes_the_state_after_each_token(spec_name: str, ac
     torch.cuda.synchronize()
     ref_o, _ = _reference(spec, inp, h0)
     assert_close("o", ref_o, o, TOL)
-    for t in range(s):
-        part = {
-            key: (val[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else val) for key, val in inp.items()
-        }
-        _, ref_t = _reference(spec, part, h0)
+    for t, ref_t in enumerate(_states_after_each_token(spec, inp, h0, s)):
         for r in range(n):
             assert_close(f"state after token {t} of request {r}", ref_t[r], pool[int(idx[r, t])], TOL)
 
@@ -165,11 +167,7 @@ def test_verify_skips_negative_token_slots_and_padded_requests(spec_name: str) -
     ref_o, _ = _reference(spec, inp, h0)
     assert_close("o", ref_o[:2], o[:2], TOL)
     assert torch.count_nonzero(o[2]) == 0, "o of a padded request is not zero"
-    for t in range(s):
-        part = {
-            key: (val[:, : t + 1] if key in ("q", "k", "v", "g", "beta") else val) for key, val in inp.items()
-        }
-        _, ref_t = _reference(spec, part, h0)
+    for t, ref_t in enumerate(_states_after_each_token(spec, inp, h0, s)):
         for r in range(2):
             slot = int(idx[r, t])
             if slot >= 0:
@@ -183,7 +181,7 @@ def test_verify_of_many_requests_takes_the_ring_and_matches_the_stores(
     spec_name: str, decode_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A verify call large enough for the automatic rule to copy each token's state out through the ring
-    (`decode_token_stores`: 16 items a CTA) writes the same o and the same slots, bit for bit, as the
+    (`decode_staged_store`: 16 items a CTA) writes the same o and the same slots, bit for bit, as the
     consumers' own stores, and matches the fp64 recurrence. On the streaming grid with whole states only."""
     if decode_path != "whole":
         pytest.skip("the streaming grid with whole states (the other paths store from registers)")
@@ -193,8 +191,8 @@ def test_verify_of_many_requests_takes_the_ring_and_matches_the_stores(
     h, s = 16, 3
     hv = h * spec["gva_ratio"]
     n = -(-16 * sms // hv)  # 16 (request, value head) items an SM
-    monkeypatch.setattr(kdagen.decode, "decode_token_stores", kdagen.policy.decode_token_stores)
-    assert kdagen.decode.decode_token_stores(n * hv, sms)
+    monkeypatch.setattr(kdagen.decode, "decode_staged_store", kdagen.policy.decode_staged_store)
+    assert kdagen.decode.decode_staged_store(n * hv, sms)
     inp = _inputs(spec, n, s, h, seed=13)
     pool = cases.decode_pool(spec, s * n + 1, hv)
     idx = torch.randperm(s * n, device="cuda", dtype=torch.int32).view(n, s)
@@ -202,7 +200,7 @@ def test_verify_of_many_requests_takes_the_ring_and_matches_the_stores(
     h0 = pool[idx[:, 0].long()].clone()
     outs = {}
     for rule in (True, False):
-        monkeypatch.setattr(kdagen.decode, "decode_token_stores", lambda items, ctas, rule=rule: rule)
+        monkeypatch.setattr(kdagen.decode, "decode_staged_store", lambda items, ctas, rule=rule: rule)
         mine = pool.clone()
         o = _call(kernel, inp, state_pool=mine, state_indices=idx, num_accepted_tokens=acc)
         outs[rule] = (o, mine)
