@@ -27,8 +27,10 @@ from kdagen.kernels import bwd_tile_shape
 from kdagen.kernels.common import row_copy, swizzled_rows
 from kdagen.kernels.prepare import load_tile
 
+_HIGH = -0x10000  # a 32-bit word's high 16 bits
+
 __all__ = [
-    "ProductsConfig", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
+    "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
     "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c",
 ]
 
@@ -52,11 +54,6 @@ class ProductsConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
-
-    @property
-    def dgt_parts(self) -> int:
-        # threads sharing a key row of dgt, each summing a slice of the values
-        return max(1, self.threads // self.k)
 
     @property
     def min_ctas(self) -> int:
@@ -92,8 +89,8 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         cutlass.Float32, cute.make_layout((1, cfg.k, cfg.ring), stride=(cfg.k, 1, cfg.k)), 16)
     sR = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
     sDr = smem.allocate_tensor(cfg.dtype, swizzled_rows(cfg.bt, cfg.v), 1024)
-    parts = cfg.dgt_parts
-    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((parts, cfg.k), stride=(cfg.k, 1)), 16)
+    # dgt's partial sums, a warp's (its value columns) a key
+    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((cfg.warps, cfg.k), stride=(cfg.k, 1)), 16)
 
     # ---- the first tile's rows and dS and the state entering the run, then (a ring of two) the second's ----
     # Every load is issued before any is waited on (the stage is bound by their latency): the tiles, dS and a
@@ -156,15 +153,9 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
         sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
 
-        # ---- dgt = the row sums of S * dS over the values (fp32 sums of the staged products) ----
-        # `parts` threads share a key row, each summing a slice of the values, added in order below.
-        width = cfg.v // parts
-        for kc in range(tidx % cfg.k, cfg.k, cfg.threads):
-            v0 = (tidx // cfg.k) * width
-            acc = cutlass.Float32(0.0)
-            for vr in cutlass.range(width, unroll=8):
-                acc = acc + sS[kc, v0 + vr].to(cutlass.Float32) * sD[v0 + vr, kc].to(cutlass.Float32)
-            sPart[tidx // cfg.k, kc] = acc
+        # ---- dgt = the row sums of S * dS over the values: the warps' partial sums (fp32 sums of the staged
+        # copies), added in order below ----
+        dgt_partials(mma_wide, thr, tidx, sS_kv, sD, ldsm_t, ldsm, sPart, warp_idx, cfg.k, cfg.v)
         # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
         acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
         v_in = cute.make_rmem_tensor(acc_r.layout, cutlass.Float32)
@@ -197,7 +188,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         cute.arch.cp_async_commit_group()
         if tidx < cfg.k:
             acc = sPart[0, tidx]
-            for w in cutlass.range_constexpr(1, parts):
+            for w in cutlass.range_constexpr(1, cfg.warps):
                 acc = acc + sPart[w, tidx]
             mDgt[tile, hv, tidx] = acc
 
@@ -241,6 +232,66 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
             # but the last land.
             cute.arch.cp_async_wait_group(cfg.ring - 1)
             cute.arch.sync_threads()
+
+
+@cute.jit
+def dgt_partials(mma_wide: cute.TiledMma, thr, tidx, sS_kv: cute.Tensor, sD: cute.Tensor, ldsm_t, ldsm,
+                 sPart: cute.Tensor, warp_idx, k: cutlass.Constexpr, v: cutlass.Constexpr):
+    # dgt's partial sums over each warp's value columns into sPart[warp]: S (as (N=value, K=key), by
+    # ldmatrix.trans from its staged copy) and dS (sD, by ldmatrix) loaded as the wide MMA's B operand, which
+    # gives each warp the value columns it takes in every product here, so both come in one fragment layout;
+    # a 16-key block a trip of a rolled loop (few registers beside the carried state: unrolled, the stage
+    # spills). Lane 4g + q holds keys 2q + {0, 1, 8, 9} of the block at some of the warp's values: it sums its
+    # values of each key, then the eight lanes of its q add theirs by a transposing butterfly (each step hands
+    # half of a lane's keys to its partner), after which lane 4g + q (g even) holds key 2q + (g >> 1 & 1) +
+    # 8 (g >> 2). Fixed order throughout (no atomics).
+    s2r_s = cute.make_tiled_copy_B(ldsm_t, mma_wide)
+    s2r_d = cute.make_tiled_copy_B(ldsm, mma_wide)
+    thr_s = s2r_s.get_slice(tidx)
+    thr_d = s2r_d.get_slice(tidx)
+    # one 16-key block's fragments
+    rS = cute.make_rmem_tensor(thr.partition_shape_B((v, 16)), sS_kv.element_type)
+    rD = cute.make_rmem_tensor(thr.partition_shape_B((v, 16)), sD.element_type)
+    tSs = thr_s.partition_S(sS_kv)
+    tDs = thr_d.partition_S(sD)
+    rS_v = thr_s.retile(rS)
+    rD_v = thr_d.retile(rD)
+    # the key (within its 16-key block) of each value of a block's fragment, for lane 0
+    blk_keys = mma_wide.get_slice(0).partition_B(cute.make_identity_tensor((v, k)))[None, None, 0]
+    lane = tidx % 32
+    for kb in cutlass.range(k // 16, unroll=1):
+        cute.copy(s2r_s, tSs[None, None, kb], rS_v[None, None, 0])
+        cute.copy(s2r_d, tDs[None, None, kb], rD_v[None, None, 0])
+        sums = cute.make_rmem_tensor(cute.make_layout((4,)), cutlass.Float32)
+        sums.fill(0.0)
+        if cutlass.const_expr(sD.element_type == cutlass.BFloat16):
+            # a 32-bit word holds two adjacent keys' values (the lower key in its low half): bf16 into fp32 by
+            # a shift or a mask, one instruction each
+            wS = cute.recast_tensor(rS, cutlass.Int32)
+            wD = cute.recast_tensor(rD, cutlass.Int32)
+            for i in cutlass.range_constexpr(cute.size(wS)):
+                assert blk_keys[2 * i + 1][1] == blk_keys[2 * i][1] + 1  # (checked as traced)
+                slot = 2 * ((blk_keys[2 * i][1] % 16) // 8)
+                sums[slot] = sums[slot] + (wS[i] << 16).bitcast(cutlass.Float32) * (wD[i] << 16).bitcast(
+                    cutlass.Float32)
+                sums[slot + 1] = sums[slot + 1] + (wS[i] & _HIGH).bitcast(cutlass.Float32) * (
+                    wD[i] & _HIGH).bitcast(cutlass.Float32)
+        else:
+            for i in cutlass.range_constexpr(cute.size(rS)):
+                c = blk_keys[i][1] % 16
+                slot = (c % 2) + 2 * (c // 8)
+                sums[slot] = sums[slot] + rS[i].to(cutlass.Float32) * rD[i].to(cutlass.Float32)
+        for step in cutlass.range_constexpr(2):
+            half = 2 >> step
+            upper = (lane & (16 >> step)) != 0
+            for j in cutlass.range_constexpr(half):
+                send = cutlass.select_(upper, sums[j], sums[j + half])
+                keep = cutlass.select_(upper, sums[j + half], sums[j])
+                sums[j] = keep + cute.arch.shuffle_sync_bfly(send, offset=16 >> step)
+        sums[0] = sums[0] + cute.arch.shuffle_sync_bfly(sums[0], offset=4)
+        g = lane // 4
+        if g % 2 == 0:
+            sPart[warp_idx, 16 * kb + 2 * (lane % 4) + (g >> 1) % 2 + 8 * (g >> 2)] = sums[0]
 
 
 @cute.jit
