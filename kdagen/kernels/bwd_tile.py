@@ -31,7 +31,7 @@ _HIGH = -0x10000  # a 32-bit word's high 16 bits
 
 __all__ = [
     "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
-    "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c",
+    "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c", "store_rows",
 ]
 
 
@@ -166,10 +166,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
         acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
         gemm_into(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, acc_d, cfg.k)
-        for i in cutlass.range_constexpr(cute.size(acc_d)):
-            r = coord_v[i][0]
-            if r < rj:
-                mDv[tj + r, hv, coord_v[i][1]] = acc_d[i].to(cfg.dtype)
+        store_rows(acc_d, thr, mDv, tj, hv, rj, coord_v, cfg.bt, cfg.v)
         for i in cutlass.range_constexpr(cute.size(acc_d)):
             acc_d[i] = -acc_d[i]
         store_c(acc_d, tDrs, cfg.dtype)
@@ -177,10 +174,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 
         # ---- dAkt = R dS^T (16 x K), the last reader of dS ----
         acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
-        for i in cutlass.range_constexpr(cute.size(acc_a)):
-            r = coord_k[i][0]
-            if r < rj:
-                mDakt[tj + r, hv, coord_k[i][1]] = acc_a[i]
+        store_rows(acc_a, thr, mDakt, tj, hv, rj, coord_k, cfg.bt, cfg.k)
         cute.arch.sync_threads()
         # The next tile's dS loads while this tile's other products and the carry run.
         if j + 1 < n_tiles:
@@ -195,21 +189,14 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         # ---- dQd = dO S^T, dKd = -dR S^T (16 x K) ----
         acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
         acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-        for i in cutlass.range_constexpr(cute.size(acc_q)):
-            r = coord_k[i][0]
-            c = coord_k[i][1]
-            if r < rj:
-                mDqd[tj + r, hv, c] = acc_q[i]
-                mDkd[tj + r, hv, c] = acc_k[i]
+        store_rows(acc_q, thr, mDqd, tj, hv, rj, coord_k, cfg.bt, cfg.k)
+        store_rows(acc_k, thr, mDkd, tj, hv, rj, coord_k, cfg.bt, cfg.k)
         # ---- dAq = dO R^T (16 x 16), one warp ----
         if warp_idx == 0:
             thr1 = mma1.get_slice(lane)
             acc_aq = gemm(mma1, thr1, lane, sDo, sR, ldsm, ldsm, cfg.bt, cfg.bt, cfg.v)
             coord_q = thr1.partition_C(cute.make_identity_tensor((cfg.bt, cfg.bt)))
-            for i in cutlass.range_constexpr(cute.size(acc_aq)):
-                r = coord_q[i][0]
-                if r < rj:
-                    mDaq[tj + r, hv, coord_q[i][1]] = acc_aq[i]
+            store_rows(acc_aq, thr1, mDaq, tj, hv, rj, coord_q, cfg.bt, cfg.bt)
 
         # ---- the state into the next tile: S' = diag(gt) S + Akt^T R ----
         if j + 1 < n_tiles:
@@ -292,6 +279,26 @@ def dgt_partials(mma_wide: cute.TiledMma, thr, tidx, sS_kv: cute.Tensor, sD: cut
         g = lane // 4
         if g % 2 == 0:
             sPart[warp_idx, 16 * kb + 2 * (lane % 4) + (g >> 1) % 2 + 8 * (g >> 2)] = sums[0]
+
+
+@cute.jit
+def store_rows(acc: cute.Tensor, thr, mDst: cute.Tensor, t0, hv, rows, coord: cute.Tensor,
+               bt: cutlass.Constexpr, cols: cutlass.Constexpr):
+    # A tile's product (bt x cols fp32 accumulators of `thr`'s partition, `coord` their coordinates) into
+    # rows t0 .. t0 + rows of head hv of mDst, in its dtype: a whole tile by the partition's vector stores
+    # (an accumulator's column pairs are adjacent) from one base address, a sequence's partial last tile
+    # element by element.
+    tile = cute.local_tile(cute.domain_offset((t0, 0), mDst[None, hv, None]), (bt, cols), (0, 0))
+    g = thr.partition_C(tile)
+    if rows == bt:
+        frag = cute.make_rmem_tensor(g.shape, mDst.element_type)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            frag[i] = acc[i].to(mDst.element_type)
+        cute.autovec_copy(frag, g)
+    else:
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if coord[i][0] < rows:
+                g[i] = acc[i].to(mDst.element_type)
 
 
 @cute.jit
