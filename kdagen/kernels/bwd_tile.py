@@ -30,8 +30,8 @@ from kdagen.kernels.prepare import load_tile
 _HIGH = -0x10000  # a 32-bit word's high 16 bits
 
 __all__ = [
-    "ProductsConfig", "dgt_partials", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
-    "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "store_c", "store_rows",
+    "ProductsConfig", "gemm", "gemm_into", "load_c", "products_mmas", "run_products",
+    "stage_dh", "stage_rows", "stage_rows_of", "stage_state", "state_products", "store_c", "store_rows",
 ]
 
 
@@ -153,19 +153,20 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         sDoT = cute.composition(sDo, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
         sAktT = cute.composition(sAkt, cute.make_layout((cfg.k, cfg.bt), stride=(cfg.bt, 1)))
 
-        # ---- dgt = the row sums of S * dS over the values: the warps' partial sums (fp32 sums of the staged
-        # copies), added in order below ----
-        dgt_partials(mma_wide, thr, tidx, sS_kv, sD, ldsm_t, ldsm, sPart, warp_idx, cfg.k, cfg.v)
-        # ---- R = V - Kd S (16 x V); rows past the tile's end are zero (their Kd and V are) ----
-        acc_r = gemm(mma_wide, thr, tidx, sKd, sS_kv, ldsm, ldsm_t, cfg.bt, cfg.v, cfg.k)
+        # ---- Kd S and Akt dS (16 x V each) and dgt, the row sums of S * dS over the values, in one pass over
+        # the key blocks (S and dS read once for all three); dgt's warp sums are added in order below ----
+        acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
+        acc_r = cute.make_rmem_tensor(thr.partition_shape_C((cfg.bt, cfg.v)), cutlass.Float32)
+        acc_r.fill(0.0)
+        state_products(mma_wide, thr, tidx, sKd, sAkt, sS_kv, sD, ldsm, ldsm_t, acc_r, acc_d, sPart, warp_idx,
+                       cfg.bt, cfg.k, cfg.v)
+        # ---- R = V - Kd S; rows past the tile's end are zero (their Kd and V are) ----
         v_in = cute.make_rmem_tensor(acc_r.layout, cutlass.Float32)
         load_c(thr.partition_C(sV), v_in, cfg.dtype)
         for i in cutlass.range_constexpr(cute.size(acc_r)):
             acc_r[i] = v_in[i] - acc_r[i]
         store_c(acc_r, tRs, cfg.dtype)
-        # ---- dR = Aq^T dO + Akt dS (16 x V): dV, and -dR for dKd ----
-        acc_d = gemm(mma_wide, thr, tidx, sAqT, sDoT, ldsm_t, ldsm_t, cfg.bt, cfg.v, cfg.bt)
-        gemm_into(mma_wide, thr, tidx, sAkt, sD, ldsm, ldsm, acc_d, cfg.k)
+        # ---- dR = Aq^T dO + Akt dS: dV, and -dR for dKd ----
         store_rows(acc_d, thr, mDv, tj, hv, rj, coord_v, cfg.bt, cfg.v)
         for i in cutlass.range_constexpr(cute.size(acc_d)):
             acc_d[i] = -acc_d[i]
@@ -222,33 +223,47 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 
 
 @cute.jit
-def dgt_partials(mma_wide: cute.TiledMma, thr, tidx, sS_kv: cute.Tensor, sD: cute.Tensor, ldsm_t, ldsm,
-                 sPart: cute.Tensor, warp_idx, k: cutlass.Constexpr, v: cutlass.Constexpr):
-    # dgt's partial sums over each warp's value columns into sPart[warp]: S (as (N=value, K=key), by
-    # ldmatrix.trans from its staged copy) and dS (sD, by ldmatrix) loaded as the wide MMA's B operand, which
-    # gives each warp the value columns it takes in every product here, so both come in one fragment layout;
-    # a 16-key block a trip of a rolled loop (few registers beside the carried state: unrolled, the stage
-    # spills). Lane 4g + q holds keys 2q + {0, 1, 8, 9} of the block at some of the warp's values: it sums its
-    # values of each key, then the eight lanes of its q add theirs by a transposing butterfly (each step hands
-    # half of a lane's keys to its partner), after which lane 4g + q (g even) holds key 2q + (g >> 1 & 1) +
-    # 8 (g >> 2). Fixed order throughout (no atomics).
+def state_products(mma_wide: cute.TiledMma, thr, tidx, sKd: cute.Tensor, sAkt: cute.Tensor,
+                   sS_kv: cute.Tensor, sD: cute.Tensor, ldsm, ldsm_t, acc_r: cute.Tensor, acc_d: cute.Tensor,
+                   sPart: cute.Tensor, warp_idx, bt: cutlass.Constexpr, k: cutlass.Constexpr,
+                   v: cutlass.Constexpr):
+    # acc_r += Kd S and acc_d += Akt dS (bt x v each, the sums over the keys), and dgt's partial sums over
+    # each warp's value columns into sPart[warp], in one pass over 16-key blocks (a rolled loop: few
+    # registers beside the carried state). S (as (N=value, K=key), by ldmatrix.trans from its staged copy)
+    # and dS (sD, by ldmatrix) are both the wide MMA's B operand, so their fragments share one layout and
+    # dgt multiplies them as loaded (fp32 sums of the staged copies). Lane 4g + q holds keys 2q + {0, 1, 8,
+    # 9} of the block at some of the warp's values: it sums its values of each key, then the eight lanes of
+    # its q add theirs by a transposing butterfly (each step hands half of a lane's keys to its partner),
+    # after which lane 4g + q (g even) holds key 2q + (g >> 1 & 1) + 8 (g >> 2). Fixed order (no atomics).
+    s2r_a = cute.make_tiled_copy_A(ldsm, mma_wide)
     s2r_s = cute.make_tiled_copy_B(ldsm_t, mma_wide)
     s2r_d = cute.make_tiled_copy_B(ldsm, mma_wide)
+    thr_a = s2r_a.get_slice(tidx)
     thr_s = s2r_s.get_slice(tidx)
     thr_d = s2r_d.get_slice(tidx)
     # one 16-key block's fragments
+    rKd = cute.make_rmem_tensor(thr.partition_shape_A((bt, 16)), sKd.element_type)
+    rAkt = cute.make_rmem_tensor(thr.partition_shape_A((bt, 16)), sAkt.element_type)
     rS = cute.make_rmem_tensor(thr.partition_shape_B((v, 16)), sS_kv.element_type)
     rD = cute.make_rmem_tensor(thr.partition_shape_B((v, 16)), sD.element_type)
+    tKd = thr_a.partition_S(sKd)
+    tAkt = thr_a.partition_S(sAkt)
     tSs = thr_s.partition_S(sS_kv)
     tDs = thr_d.partition_S(sD)
+    rKd_v = thr_a.retile(rKd)
+    rAkt_v = thr_a.retile(rAkt)
     rS_v = thr_s.retile(rS)
     rD_v = thr_d.retile(rD)
-    # the key (within its 16-key block) of each value of a block's fragment, for lane 0
+    # the key (within its 16-key block) of each value of a block's B fragment, for lane 0
     blk_keys = mma_wide.get_slice(0).partition_B(cute.make_identity_tensor((v, k)))[None, None, 0]
     lane = tidx % 32
     for kb in cutlass.range(k // 16, unroll=1):
+        cute.copy(s2r_a, tKd[None, None, kb], rKd_v[None, None, 0])
         cute.copy(s2r_s, tSs[None, None, kb], rS_v[None, None, 0])
+        cute.copy(s2r_a, tAkt[None, None, kb], rAkt_v[None, None, 0])
         cute.copy(s2r_d, tDs[None, None, kb], rD_v[None, None, 0])
+        cute.gemm(mma_wide, acc_r, rKd[None, None, 0], rS[None, None, 0], acc_r)
+        cute.gemm(mma_wide, acc_d, rAkt[None, None, 0], rD[None, None, 0], acc_d)
         sums = cute.make_rmem_tensor(cute.make_layout((4,)), cutlass.Float32)
         sums.fill(0.0)
         if cutlass.const_expr(sD.element_type == cutlass.BFloat16):
