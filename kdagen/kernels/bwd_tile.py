@@ -122,8 +122,6 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
     sDT = cute.composition(sD, cute.make_layout((cfg.k, cfg.v), stride=(cfg.v, 1)))
     # (N=v, K=s): R^T, MN-major (the carry's B)
     sRT = cute.composition(sR, cute.make_layout((cfg.v, cfg.bt), stride=(cfg.bt, 1)))
-    coord_v = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.v)))
-    coord_k = thr.partition_C(cute.make_identity_tensor((cfg.bt, cfg.k)))
     tRs = thr.partition_C(sR)
     # The accumulators' rows are 16 m + 8 h + g for lane 4g + q (m: the 16-row block, h: the half): thread
     # 0's slice gives each accumulator's r = 2 m + h, the same for every thread.
@@ -167,7 +165,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
             acc_r[i] = v_in[i] - acc_r[i]
         store_c(acc_r, tRs, cfg.dtype)
         # ---- dR = Aq^T dO + Akt dS: dV, and -dR for dKd ----
-        store_rows(acc_d, thr, mDv, tj, hv, rj, coord_v, cfg.bt, cfg.v)
+        store_rows(acc_d, thr, mDv, tj, hv, rj, cfg.bt, cfg.v)
         for i in cutlass.range_constexpr(cute.size(acc_d)):
             acc_d[i] = -acc_d[i]
         store_c(acc_d, tDrs, cfg.dtype)
@@ -175,7 +173,7 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
 
         # ---- dAkt = R dS^T (16 x K), the last reader of dS ----
         acc_a = gemm(mma_wide, thr, tidx, sR, sDT, ldsm, ldsm_t, cfg.bt, cfg.k, cfg.v)
-        store_rows(acc_a, thr, mDakt, tj, hv, rj, coord_k, cfg.bt, cfg.k)
+        store_rows(acc_a, thr, mDakt, tj, hv, rj, cfg.bt, cfg.k)
         cute.arch.sync_threads()
         # The next tile's dS loads while this tile's other products and the carry run.
         if j + 1 < n_tiles:
@@ -190,14 +188,13 @@ def run_products(cfg: cutlass.Constexpr, mKd, mAkt, mAq, mV, mDo, mGt, mH, mDh, 
         # ---- dQd = dO S^T, dKd = -dR S^T (16 x K) ----
         acc_q = gemm(mma_wide, thr, tidx, sDo, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
         acc_k = gemm(mma_wide, thr, tidx, sDr, sS, ldsm, ldsm, cfg.bt, cfg.k, cfg.v)
-        store_rows(acc_q, thr, mDqd, tj, hv, rj, coord_k, cfg.bt, cfg.k)
-        store_rows(acc_k, thr, mDkd, tj, hv, rj, coord_k, cfg.bt, cfg.k)
+        store_rows(acc_q, thr, mDqd, tj, hv, rj, cfg.bt, cfg.k)
+        store_rows(acc_k, thr, mDkd, tj, hv, rj, cfg.bt, cfg.k)
         # ---- dAq = dO R^T (16 x 16), one warp ----
         if warp_idx == 0:
             thr1 = mma1.get_slice(lane)
             acc_aq = gemm(mma1, thr1, lane, sDo, sR, ldsm, ldsm, cfg.bt, cfg.bt, cfg.v)
-            coord_q = thr1.partition_C(cute.make_identity_tensor((cfg.bt, cfg.bt)))
-            store_rows(acc_aq, thr1, mDaq, tj, hv, rj, coord_q, cfg.bt, cfg.bt)
+            store_rows(acc_aq, thr1, mDaq, tj, hv, rj, cfg.bt, cfg.bt)
 
         # ---- the state into the next tile: S' = diag(gt) S + Akt^T R ----
         if j + 1 < n_tiles:
@@ -297,9 +294,9 @@ def state_products(mma_wide: cute.TiledMma, thr, tidx, sKd: cute.Tensor, sAkt: c
 
 
 @cute.jit
-def store_rows(acc: cute.Tensor, thr, mDst: cute.Tensor, t0, hv, rows, coord: cute.Tensor,
-               bt: cutlass.Constexpr, cols: cutlass.Constexpr):
-    # A tile's product (bt x cols fp32 accumulators of `thr`'s partition, `coord` their coordinates) into
+def store_rows(acc: cute.Tensor, thr, mDst: cute.Tensor, t0, hv, rows, bt: cutlass.Constexpr,
+               cols: cutlass.Constexpr):
+    # A tile's product (bt x cols fp32 accumulators of `thr`'s partition) into
     # rows t0 .. t0 + rows of head hv of mDst, in its dtype: a whole tile by the partition's vector stores
     # (an accumulator's column pairs are adjacent) from one base address, a sequence's partial last tile
     # element by element.
@@ -311,6 +308,7 @@ def store_rows(acc: cute.Tensor, thr, mDst: cute.Tensor, t0, hv, rows, coord: cu
             frag[i] = acc[i].to(mDst.element_type)
         cute.autovec_copy(frag, g)
     else:
+        coord = thr.partition_C(cute.make_identity_tensor((bt, cols)))
         for i in cutlass.range_constexpr(cute.size(acc)):
             if coord[i][0] < rows:
                 g[i] = acc[i].to(mDst.element_type)
