@@ -29,7 +29,7 @@ from kdagen.kernels.common import cu_at, zero_padding_tail
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
-__all__ = ["GradsConfig", "grads_mma", "grads_tile", "kg_dakt", "row_sums", "zero_tail"]
+__all__ = ["GradsConfig", "grads_mma", "grads_tile", "half_product", "kg_dakt", "row_sums", "zero_tail"]
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
@@ -37,6 +37,9 @@ L2NORM_EPS = 1e-6  # as the forward's l2norm
 # was ~0.6 of the stage's 4.4 ms at B=2 T=8192 H=64: docs/experiments.md, "Backward: bwd_prepare, loads
 # issued together, the column phase's reads ahead")
 PREFETCH_ROWS = 4
+# Padding of the 16 x 16 matrices' rows in shared memory: a stride of 20 words puts a warp's MMA fragment
+# reads (row g, column t: 8 rows by 4 columns) on 32 different banks.
+MAT_PAD = 4
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,61 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
 
 
 @cute.jit
+def half_product(mma: cute.TiledMma, vA: cute.Tensor, vB: cute.Tensor, n0: cutlass.Constexpr, lane,
+                 acc: cute.Tensor):
+    # acc += vA vB[:, n0 : n0 + 8] (vA, vB: 16 x 16 shared-memory views, A[m, k] and B[k, n], either of them
+    # a transposed view), by one warp in two tf32 MMAs. Fragments (lane = 4 g + t): A slot hh + 2 c2 is
+    # (row g + 8 hh, k t + 4 c2), B slot c2 is (k t + 4 c2, column n0 + g), C slot i is (row g + 8 (i // 2),
+    # column n0 + 2 t + i % 2).
+    g = lane // 4
+    t = lane % 4
+    thr = mma.get_slice(lane)
+    for ks in cutlass.range_constexpr(2):
+        k0 = 8 * ks
+        a = cute.make_rmem_tensor(thr.partition_shape_A((16, 8)), cutlass.Int32)
+        b = cute.make_rmem_tensor(thr.partition_shape_B((8, 8)), cutlass.Int32)
+        for c2 in cutlass.range_constexpr(2):
+            for hh in cutlass.range_constexpr(2):
+                a[hh + 2 * c2] = tf32(vA[g + 8 * hh, k0 + t + 4 * c2])
+            b[c2] = tf32(vB[k0 + t + 4 * c2, n0 + g])
+        cute.gemm(mma, acc, a, b, acc)
+
+
+@cute.jit
+def _zero_half(mma: cute.TiledMma, lane, bt: cutlass.Constexpr):
+    # A zero accumulator for `half_product`.
+    acc = cute.make_rmem_tensor(mma.get_slice(lane).partition_shape_C((bt, 8)), F32)
+    acc.fill(0.0)
+    return acc
+
+
+@cute.jit
+def _kgda_sum(mma: cute.TiledMma, sKgDa: cute.Tensor, n0: cutlass.Constexpr, lane, bt: cutlass.Constexpr,
+              warps: cutlass.Constexpr):
+    # `kg_dakt`'s warps' partial products, added in order, as `half_product`'s accumulator for columns n0 ..
+    acc = _zero_half(mma, lane, bt)
+    g = lane // 4
+    t = lane % 4
+    for i in cutlass.range_constexpr(4):
+        r = g + 8 * (i // 2)
+        s = n0 + 2 * t + i % 2
+        for w in cutlass.range_constexpr(warps):
+            acc[i] = acc[i] + sKgDa[w, r, s]
+    return acc
+
+
+@cute.jit
+def _store_lower(sOut: cute.Tensor, acc: cute.Tensor, n0: cutlass.Constexpr, lane):
+    # `half_product`'s result into sOut, its lower triangle (diagonal included) and zeros above.
+    g = lane // 4
+    t = lane % 4
+    for i in cutlass.range_constexpr(4):
+        r = g + 8 * (i // 2)
+        s = n0 + 2 * t + i % 2
+        sOut[r, s] = cutlass.select_(s <= r, acc[i], F32(0.0))
+
+
+@cute.jit
 def _prefetch_row(cfg: cutlass.Constexpr, mDqd, mDkd, mG, hv, tr, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
                   pre_g):
     # Token tr's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
@@ -158,19 +216,19 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     sKgDa = smem.allocate_tensor(F32, per_warp, 16)
     sKg = smem.allocate_tensor(F32, rows_k, 16)  # k exp(G_last - G)
     sDakt = smem.allocate_tensor(F32, rows_k, 16)
-    mat = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt + 1, 1))
+    mat = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt + MAT_PAD, 1))
     sAqk = smem.allocate_tensor(F32, mat, 16)  # (Q K^T) masked by the pairwise decays, lower incl.
     sAkk = smem.allocate_tensor(F32, mat, 16)
     sT = smem.allocate_tensor(F32, mat, 16)  # (I + L)^-1
     sP = smem.allocate_tensor(F32, mat, 16)  # (I + L)^-1 diag(beta)
     sDaq = smem.allocate_tensor(F32, mat, 16)
     sDP = smem.allocate_tensor(F32, mat, 16)
-    # dAqk and dAkk in unpadded rows: read as broadcasts, four entries a load
-    rows16 = cute.make_layout((cfg.bt, cfg.bt), stride=(cfg.bt, 1))
-    sDAqk = smem.allocate_tensor(F32, rows16, 16)
+    # dAqk and dAkk: read as broadcasts in the column phase, four entries a load (`mat`'s rows are 16-byte
+    # aligned)
+    sDAqk = smem.allocate_tensor(F32, mat, 16)
     sY = smem.allocate_tensor(F32, mat, 16)  # T^T dP diag(beta)
     sDL = smem.allocate_tensor(F32, mat, 16)
-    sDAkk = smem.allocate_tensor(F32, rows16, 16)
+    sDAkk = smem.allocate_tensor(F32, mat, 16)
     sB = smem.allocate_tensor(F32, cute.make_layout((cfg.bt,)), 16)
     # the row sums' warp sums and their totals (`row_sums`)
     sRed = smem.allocate_tensor(F32, cute.make_layout((cfg.k // 32 + 1, 2 * cfg.bt), stride=(2 * cfg.bt, 1)),
@@ -305,59 +363,72 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         kg_dakt(mma, sKg, sDakt, sKgDa, tidx, cfg.bt, cfg.k, cfg.mma_warps)
     cute.arch.sync_threads()
 
-    # ---- dP = Aqk^T dAq + Kg dAkt^T and dAqk = dAq P^T, lower triangles (no upper entry reaches a result)
-    for j in cutlass.range_constexpr(cfg.pairs):
-        e = tidx + cfg.k * j
-        r = e // cfg.bt
-        s = e % cfg.bt
-        d_p = F32(0.0)
-        d_aqk = F32(0.0)
-        if s <= r:
-            for w in cutlass.range_constexpr(cfg.mma_warps):
-                d_p = d_p + sKgDa[w, r, s]
-            for i in cutlass.range_constexpr(cfg.bt):
-                d_p = d_p + sAqk[i, r] * sDaq[i, s]
-                d_aqk = d_aqk + sDaq[r, i] * sP[s, i]
-        sDP[r, s] = d_p
-        sDAqk[r, s] = d_aqk
+    # ---- the 16 x 16 x 16 products on tensor cores (`half_product`, an 8-column half a job, the jobs dealt
+    # to the warps in turn): dP = Aqk^T dAq + Kg dAkt^T and dAqk = dAq P^T (lower triangles: no upper entry
+    # reaches a result) ----
+    w = tidx // 32
+    lane = tidx % 32
+    nw = cfg.k // 32
+    st = cfg.bt + MAT_PAD
+    t_view = cute.make_tensor(sT.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))  # T^T
+    for job in cutlass.range_constexpr(4):
+        if w == job % nw:
+            n0 = 8 * (job % 2)
+            if cutlass.const_expr(job < 2):
+                prod = _kgda_sum(mma, sKgDa, n0, lane, cfg.bt, cfg.mma_warps)
+                aqk_t = cute.make_tensor(sAqk.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))
+                half_product(mma, aqk_t, sDaq, n0, lane, prod)
+                _store_lower(sDP, prod, n0, lane)
+            else:
+                p_t = cute.make_tensor(sP.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))
+                prod = _zero_half(mma, lane, cfg.bt)
+                half_product(mma, sDaq, p_t, n0, lane, prod)
+                _store_lower(sDAqk, prod, n0, lane)
     cute.arch.sync_threads()
 
-    # ---- through the inverse: Y = T^T dP diag(beta), dL = -Y T^T (strict lower), dbeta from A's columns ----
-    for j in cutlass.range_constexpr(cfg.pairs):
-        e = tidx + cfg.k * j
-        r = e // cfg.bt
-        s = e % cfg.bt
-        y = F32(0.0)
-        for i in cutlass.range_constexpr(cfg.bt):
-            y = y + sT[i, r] * sDP[i, s]
-        sY[r, s] = y * sB[s]
+    # ---- through the inverse: Y = T^T dP diag(beta), then dL = -Y T^T (strict lower); dbeta's share from
+    # A's columns, sum_i dP_ic T_ic, by the last warp ----
+    for job in cutlass.range_constexpr(2):
+        if w == job % nw:
+            n0 = 8 * job
+            prod = _zero_half(mma, lane, cfg.bt)
+            half_product(mma, t_view, sDP, n0, lane, prod)
+            g = lane // 4
+            t = lane % 4
+            for i in cutlass.range_constexpr(4):
+                s = n0 + 2 * t + i % 2
+                sY[g + 8 * (i // 2), s] = prod[i] * sB[s]
     db = F32(0.0)
-    if tidx < cfg.bt:
+    db_lane = tidx - 32 * (nw - 1)  # lane of the last warp
+    if db_lane >= 0 and db_lane < cfg.bt:
         for i in cutlass.range_constexpr(cfg.bt):
-            db = db + sDP[i, c] * sT[i, c]
+            db = db + sDP[i, db_lane] * sT[i, db_lane]
     cute.arch.sync_threads()
-    for j in cutlass.range_constexpr(cfg.pairs):
-        e = tidx + cfg.k * j
-        r = e // cfg.bt
-        s = e % cfg.bt
-        d_l = F32(0.0)
-        if s < r:
-            for i in cutlass.range_constexpr(cfg.bt):
-                d_l = d_l - sY[r, i] * sT[s, i]
-        sDL[r, s] = d_l
-        sDAkk[r, s] = d_l * sB[r]
+    for job in cutlass.range_constexpr(2):
+        if w == job % nw:
+            n0 = 8 * job
+            prod = _zero_half(mma, lane, cfg.bt)
+            half_product(mma, sY, t_view, n0, lane, prod)
+            g = lane // 4
+            t = lane % 4
+            for i in cutlass.range_constexpr(4):
+                r = g + 8 * (i // 2)
+                s = n0 + 2 * t + i % 2
+                d_l = cutlass.select_(s < r, -prod[i], F32(0.0))
+                sDL[r, s] = d_l
+                sDAkk[r, s] = d_l * sB[r]
     cute.arch.sync_threads()
     # ... and from L's rows (dbeta_r += sum_s dL_rs Akk_rs), then through beta's transform
-    if tidx < cfg.bt:
+    if db_lane >= 0 and db_lane < cfg.bt:
         for i in cutlass.range_constexpr(cfg.bt):
-            db = db + sDL[c, i] * sAkk[c, i]
-        if tidx < rows:
+            db = db + sDL[db_lane, i] * sAkk[db_lane, i]
+        if db_lane < rows:
             if cutlass.const_expr(cfg.beta != "prob"):
-                sg = sigmoid(mBeta[t0 + tidx, hv].to(F32), True)
+                sg = sigmoid(mBeta[t0 + db_lane, hv].to(F32), True)
                 db = db * sg * (1.0 - sg)
                 if cutlass.const_expr(cfg.beta == "logit_x2"):
                     db = db * 2.0
-            mDbeta[t0 + tidx, hv] = db.to(cfg.beta_dtype)
+            mDbeta[t0 + db_lane, hv] = db.to(cfg.beta_dtype)
 
     # ---- column c: the intra-tile products back to q, k and the decays, and dg ----
     # The rows loop's global reads (dQd, dKd and g of a row) are issued PREFETCH_ROWS rows ahead of their use.
@@ -417,8 +488,8 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         qe = q_r * e_r
         ke = k_r * e_r
         for s0 in cutlass.range_constexpr(0, r + 1, 4):
-            va = cute.make_tensor(sDAqk.iterator + r * cfg.bt + s0, cute.make_layout((4,))).load()
-            vb = cute.make_tensor(sDAkk.iterator + r * cfg.bt + s0, cute.make_layout((4,))).load()
+            va = cute.make_tensor(sDAqk.iterator + r * (cfg.bt + MAT_PAD) + s0, cute.make_layout((4,))).load()
+            vb = cute.make_tensor(sDAkk.iterator + r * (cfg.bt + MAT_PAD) + s0, cute.make_layout((4,))).load()
             for s in cutlass.range_constexpr(s0, min(s0 + 4, r + 1)):
                 a = va[s - s0]
                 b = vb[s - s0]
