@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kdagen.kernels.common import cu_at, zero_padding_tail
+from kdagen.kernels.common import cu_at, token_rows, zero_padding_tail
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
@@ -192,13 +192,13 @@ def _store_lower(sOut: cute.Tensor, acc: cute.Tensor, n0: cutlass.Constexpr, lan
 
 
 @cute.jit
-def _prefetch_row(cfg: cutlass.Constexpr, mDqd, mDkd, mG, hv, tr, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
+def _prefetch_row(cfg: cutlass.Constexpr, vDqd, vDkd, vG, r, c, slot: cutlass.Constexpr, pre_qd, pre_kd,
                   pre_g):
-    # Token tr's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
-    pre_qd[slot] = mDqd[tr, hv, c]
-    pre_kd[slot] = mDkd[tr, hv, c]
+    # Row r's dQd, dKd (and g, for an in-kernel gate's backward) of column c into prefetch slot `slot`.
+    pre_qd[slot] = vDqd[r, c]
+    pre_kd[slot] = vDkd[r, c]
     if cutlass.const_expr(cfg.gate != "precomputed"):
-        pre_g[slot] = mG[tr, hv, c].to(F32)
+        pre_g[slot] = vG[r, c].to(F32)
 
 
 @cute.jit
@@ -238,14 +238,17 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     c = tidx
 
     # ---- q and k of the head, normalised once for its value heads (rows past the tile's end are zero) ----
-    # Loads past the tile's rows read the last token (in bounds) and are replaced by zero: no branch around a
-    # load, so the compiler issues a loop's loads together instead of waiting on each.
-    last = mQ.shape[0] - 1
+    # Loads past the tile's rows read its last row (in bounds) and are replaced by zero: no branch around a
+    # load, so the compiler issues a loop's loads together instead of waiting on each. Every access goes
+    # through a view of the tile's rows (`token_rows`: 32-bit offsets from one base).
+    last = rows - 1
+    vQ = token_rows(mQ, t0, h, cfg.bt)
+    vK = token_rows(mK, t0, h, cfg.bt)
     sums = cute.make_rmem_tensor(cute.make_layout((2 * cfg.bt,)), F32)
     for r in cutlass.range_constexpr(cfg.bt):
-        tr = cutlass.min(t0 + r, last)
-        x_q = cutlass.select_(r < rows, mQ[tr, h, c].to(F32), F32(0.0))
-        x_k = cutlass.select_(r < rows, mK[tr, h, c].to(F32), F32(0.0))
+        tr = cutlass.min(r, last)
+        x_q = cutlass.select_(r < rows, vQ[tr, c].to(F32), F32(0.0))
+        x_k = cutlass.select_(r < rows, vK[tr, c].to(F32), F32(0.0))
         sQ[r, c] = x_q
         sK[r, c] = x_k
         sums[r] = x_q * x_q
@@ -294,10 +297,12 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
         for r in cutlass.range_constexpr(cfg.bt):
             acc_q[r] = sNorm[0, r] * (acc_q[r] - sQ[r, c] * inv_scale * sums[r])
             acc_k[r] = sNorm[1, r] * (acc_k[r] - sK[r, c] * sums[cfg.bt + r])
+    vDq = token_rows(mDq, t0, h, cfg.bt)
+    vDk = token_rows(mDk, t0, h, cfg.bt)
     for r in cutlass.range_constexpr(cfg.bt):
         if r < rows:
-            mDq[t0 + r, h, c] = acc_q[r].to(cfg.dtype)
-            mDk[t0 + r, h, c] = acc_k[r].to(cfg.dtype)
+            vDq[r, c] = acc_q[r].to(cfg.dtype)
+            vDk[r, c] = acc_k[r].to(cfg.dtype)
 
 
 @cute.jit
@@ -312,14 +317,23 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     if cutlass.const_expr(cfg.gate != "precomputed"):
         a_scale = cute.math.exp(mALog[hv])
         dt = mDt[hv, c]
+    vG = token_rows(mG, t0, hv, cfg.bt)
+    vDqd = token_rows(mDqd, t0, hv, cfg.bt)
+    vDkd = token_rows(mDkd, t0, hv, cfg.bt)
+    vDg = token_rows(mDg, t0, hv, cfg.bt)
     # ---- the value head's decays (cumsum of the log decay in the tile), dAkt, dAq and beta ----
+    vDakt = token_rows(mDakt, t0, hv, cfg.bt)
+    vDaq = token_rows(mDaq, t0, hv, cfg.bt)
+    # prepare's Mqk and Akk of the tile: [2, bt, bt], compact
+    mats = cute.make_tensor(mMats.iterator + cute.crd2idx((tile, hv, 0, 0, 0), mMats.layout),
+                            cute.make_layout((2, cfg.bt, cfg.bt), stride=(cfg.bt * cfg.bt, cfg.bt, 1)))
     rG = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     acc = F32(0.0)
     for r in cutlass.range_constexpr(cfg.bt):
-        tr = cutlass.min(t0 + r, last)
-        g_r = log_decay(mG[tr, hv, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
+        tr = cutlass.min(r, last)
+        g_r = log_decay(vG[tr, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
         x_g = cutlass.select_(r < rows, g_r, F32(0.0))
-        x_a = cutlass.select_(r < rows, mDakt[tr, hv, c], F32(0.0))
+        x_a = cutlass.select_(r < rows, vDakt[tr, c], F32(0.0))
         acc = acc + x_g
         rG[r] = acc
         sDakt[r, c] = x_a
@@ -330,11 +344,11 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         e = tidx + cfg.k * j
         r = e // cfg.bt
         s = e % cfg.bt
-        sDaq[r, s] = cutlass.select_(r < rows, mDaq[cutlass.min(t0 + r, last), hv, s], F32(0.0))
+        sDaq[r, s] = cutlass.select_(r < rows, vDaq[cutlass.min(r, last), s], F32(0.0))
         # Aqk and Akk, the lower triangles (Akk's without its unused diagonal) of prepare's products; zero
         # above (the entries nothing reads are read and dropped).
-        sAqk[r, s] = cutlass.select_(s <= r, mMats[tile, hv, 0, r, s], F32(0.0))
-        sAkk[r, s] = cutlass.select_(s < r, mMats[tile, hv, 1, r, s], F32(0.0))
+        sAqk[r, s] = cutlass.select_(s <= r, mats[0, r, s], F32(0.0))
+        sAkk[r, s] = cutlass.select_(s < r, mats[1, r, s], F32(0.0))
     if tidx < cfg.bt:
         b = F32(0.0)
         if tidx < rows:
@@ -436,8 +450,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     pre_kd = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
     pre_g = cute.make_rmem_tensor(cute.make_layout((PREFETCH_ROWS,)), F32)
     for j in cutlass.range_constexpr(PREFETCH_ROWS):
-        _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + cfg.bt - 1 - j, last), c, j, pre_qd, pre_kd,
-                      pre_g)
+        _prefetch_row(cfg, vDqd, vDkd, vG, cutlass.min(cfg.bt - 1 - j, last), c, j, pre_qd, pre_kd, pre_g)
     # (P dAkt)_r first (the gradient of k exp(G_last - G)), and with it the state's share of dG_last. P is
     # lower triangular (T's entries above the diagonal are exact zeros of the solve), so row r sums r + 1.
     rdkg = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
@@ -463,6 +476,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     rdc.fill(0.0)
     kt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     g_mid = rG[cfg.bt // 2]
+    f_mid = decay(g_last - g_mid)
     if cutlass.const_expr(cfg.safe_gate):
         for s in cutlass.range_constexpr(cfg.bt):
             kt[s] = sK[s, c] * decay(g_mid - rG[s])
@@ -476,8 +490,8 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         x_kd = cutlass.select_(r < rows, pre_kd[slot], F32(0.0))
         x_g = pre_g[slot]
         if cutlass.const_expr(i + PREFETCH_ROWS < cfg.bt):
-            _prefetch_row(cfg, mDqd, mDkd, mG, hv, cutlass.min(t0 + r - PREFETCH_ROWS, last), c, slot, pre_qd,
-                          pre_kd, pre_g)
+            _prefetch_row(cfg, vDqd, vDkd, vG, cutlass.min(r - PREFETCH_ROWS, last), c, slot, pre_qd, pre_kd,
+                          pre_g)
         q_r = sQ[r, c]
         k_r = sK[r, c]
         dq_r = F32(0.0)
@@ -485,6 +499,9 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         e_r = F32(1.0)
         if cutlass.const_expr(cfg.safe_gate):
             e_r = decay(rG[r] - g_mid)
+            # 1/e_r by rcp: exp(g_mid - G_r) would be kt's factor again, which the compiler then keeps
+            # live (spilled) from kt's loop to here
+            inv_e = cute.arch.rcp_approx(e_r)
         qe = q_r * e_r
         ke = k_r * e_r
         for s0 in cutlass.range_constexpr(0, r + 1, 4):
@@ -506,18 +523,24 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         if cutlass.const_expr(cfg.safe_gate):
             dq_r = dq_r * e_r
             dk_r = dk_r * e_r
-            rdc[r] = rdc[r] * decay(g_mid - rG[r])
+            rdc[r] = rdc[r] * inv_e
         dkg = rdkg[r]
+        # exp(G_last - G_r): with the safe gate from e_r (as the factor of sKg's setup it would stay live)
+        f_r = F32(0.0)
+        if cutlass.const_expr(cfg.safe_gate):
+            f_r = f_mid * inv_e
+        else:
+            f_r = decay(g_last - rG[r])
         eg = decay(rG[r])
         q_eg = x_qd * eg
         k_eg = x_kd * eg
         acc_q[r] = acc_q[r] + q_eg + dq_r
-        acc_k[r] = acc_k[r] + dk_r + rdc[r] + k_eg + dkg * decay(g_last - rG[r])
+        acc_k[r] = acc_k[r] + dk_r + rdc[r] + k_eg + dkg * f_r
         acc = acc + (q_r * dq_r + k_r * (dk_r - rdc[r]) + k_eg * k_r + q_eg * q_r - dkg * sKg[r, c])  # + dG_r
         # dg_r = the sum of dG over rows r and after, through the gate
         if cutlass.const_expr(cfg.gate == "precomputed"):
             if r < rows:
-                mDg[t0 + r, hv, c] = acc.to(cfg.g_dtype)
+                vDg[r, c] = acc.to(cfg.g_dtype)
         elif cutlass.const_expr(cfg.gate == "lower_bound"):
             # g = lb sigmoid(z), z = a (x + dt); rows past the tile's end add nothing
             z = a_scale * (x_g + dt)
@@ -526,7 +549,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             d_dt = d_dt + dz * a_scale
             d_alog = d_alog + dz * z
             if r < rows:
-                mDg[t0 + r, hv, c] = (dz * a_scale).to(cfg.g_dtype)
+                vDg[r, c] = (dz * a_scale).to(cfg.g_dtype)
         else:
             # g = -a softplus(y), y = x + dt; rows past the tile's end add nothing
             y = x_g + dt
@@ -535,7 +558,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             d_dt = d_dt + dx
             d_alog = d_alog + d_y * softplus(y, True)
             if r < rows:
-                mDg[t0 + r, hv, c] = dx.to(cfg.g_dtype)
+                vDg[r, c] = dx.to(cfg.g_dtype)
     if cutlass.const_expr(cfg.gate != "precomputed"):
         mDaLog[tile, hv, c] = d_alog
         mDdt[tile, hv, c] = d_dt

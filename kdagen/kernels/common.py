@@ -40,6 +40,7 @@ __all__ = [
     "store_segment_map",
     "seq_of_slice",
     "tile_rows",
+    "token_rows",
     "run_rows",
     "fused_mode",
     "mma_input",
@@ -599,3 +600,14 @@ def load_step(step, stage, rows, v_rows, tidx, gt_threads: cutlass.Constexpr, co
                 tAs[None, m, None, stage].fill(0)
     if tidx < gt_threads:
         cute.copy(copy_gt, tGg[None, None, None, step], tGs[None, None, None, stage])
+
+
+@cute.jit
+def token_rows(m: cute.Tensor, t0, head, n: cutlass.Constexpr) -> cute.Tensor:
+    """Tokens t0 .. t0 + n of one head of m ([tokens, heads, columns]) as an (n, columns) view from one base
+    address with a 32-bit token stride: an access then costs a 32-bit multiply-add and a pointer add, where
+    m's own layout (64-bit strides) takes a 64-bit index product. A tile's n tokens keep their offsets
+    within the int32 range."""
+    base = m.iterator + cute.crd2idx((t0, head, 0), m.layout)
+    layout = cute.make_layout((n, m.shape[2]), stride=(cutlass.Int32(m.layout.stride[0]), m.layout.stride[2]))
+    return cute.make_tensor(base, layout)
