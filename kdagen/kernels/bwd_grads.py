@@ -29,7 +29,9 @@ from kdagen.kernels.common import cu_at, token_rows, zero_padding_tail
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
 
-__all__ = ["GradsConfig", "grads_mma", "grads_tile", "half_product", "kg_dakt", "row_sums", "zero_tail"]
+__all__ = [
+    "GradsConfig", "grads_mma", "grads_tile", "half_product", "kg_dakt", "row_sums", "zero_tail",
+]
 
 F32 = cutlass.Float32
 L2NORM_EPS = 1e-6  # as the forward's l2norm
@@ -70,13 +72,15 @@ class GradsConfig:
 
 
 @cute.jit
-def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, warps: cutlass.Constexpr):
+def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, warps: cutlass.Constexpr,
+             sInv=None, eps: cutlass.Constexpr = 0.0):
     # vals[i] (n values a thread, n a power of two <= 32) -> their sums over the CTA's threads, in every
     # thread; sRed holds warps + 1 rows of n. A warp sums by a transposing butterfly: each step hands half of
     # a lane's values to its partner and adds the partner's half of its own, so after log2(n) steps lane l
     # holds the warp's sum of value l % n, in n - 1 shuffles (a plain butterfly a value takes 5 n). Thread i
     # then adds the warps' sums of value i in order, and every thread reads the n totals: the same bits
-    # every run.
+    # every run. With sInv (n entries): 1/sqrt(sum + eps) in place of each sum, also written to sInv, taken
+    # once a value rather than in every thread.
     warp = tidx // 32
     lane = tidx % 32
     for step in cutlass.range_constexpr(n.bit_length() - 1):
@@ -95,6 +99,9 @@ def row_sums(vals: cute.Tensor, sRed: cute.Tensor, tidx, n: cutlass.Constexpr, w
         t = sRed[0, tidx]
         for w in cutlass.range_constexpr(1, warps):
             t = t + sRed[w, tidx]
+        if cutlass.const_expr(sInv is not None):
+            t = cute.math.rsqrt(t + eps)
+            sInv[tidx] = t
         sRed[warps, tidx] = t
     cute.arch.sync_threads()
     for i0 in cutlass.range_constexpr(0, n, 4):
@@ -254,16 +261,15 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
         sums[r] = x_q * x_q
         sums[cfg.bt + r] = x_k * x_k
     if cutlass.const_expr(cfg.l2norm):
-        row_sums(sums, sRed, tidx, 2 * cfg.bt, cfg.k // 32)
+        # sums -> 1/|q_r| and 1/|k_r| (also kept in sNorm for the backward through the norm)
+        norms = cute.make_tensor(sNorm.iterator, cute.make_layout((2 * cfg.bt,)))
+        row_sums(sums, sRed, tidx, 2 * cfg.bt, cfg.k // 32, norms, L2NORM_EPS)
     for r in cutlass.range_constexpr(cfg.bt):
         n_q = F32(1.0)
         n_k = F32(1.0)
         if cutlass.const_expr(cfg.l2norm):
-            n_q = cute.math.rsqrt(sums[r] + L2NORM_EPS)
-            n_k = cute.math.rsqrt(sums[cfg.bt + r] + L2NORM_EPS)
-        if tidx == 0:
-            sNorm[0, r] = n_q
-            sNorm[1, r] = n_k
+            n_q = sums[r]
+            n_k = sums[cfg.bt + r]
         sQ[r, c] = sQ[r, c] * n_q * scale
         sK[r, c] = sK[r, c] * n_k
 
