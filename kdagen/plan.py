@@ -188,11 +188,14 @@ def _bwd_tile_ring(spec: KernelSpec) -> int:
 
 
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
-    """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (five [16, K + 1]
-    fp32 tiles, ten [16, 17] fp32 matrices, beta, the row sums' warp sums and totals and the norms, plus the
-    driver's 1 KB a CTA), but no more than leave BWD_GRADS_MIN_REGS registers a thread of its K threads."""
+    """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (four [16, K + 1]
+    fp32 tiles, the per-warp [16, 16] partial products of K/32 - 1 warps, ten [16, 20] fp32 matrices, beta,
+    the row sums' warp sums and totals and the norms, plus the driver's 1 KB a CTA), but no more than leave
+    BWD_GRADS_MIN_REGS registers a thread of its K threads."""
     k, bt = spec.head_dim_k, CHUNK
-    smem = 4 * (5 * bt * (k + 1) + 10 * bt * (bt + 1) + bt + (k // 32 + 1) * 2 * bt + 2 * bt) + 1024
+    partials = max(1, k // 32 - 1) * bt * bt
+    words = 4 * bt * (k + 1) + partials + 10 * bt * (bt + 4) + bt + (k // 32 + 1) * 2 * bt + 2 * bt
+    smem = 4 * words + 1024
     fit = (spec.arch_info.smem_bytes_per_block + 1024) // smem
     return max(1, min(fit, 65536 // (BWD_GRADS_MIN_REGS * k)))
 
