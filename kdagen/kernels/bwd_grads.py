@@ -165,6 +165,12 @@ def half_product(mma: cute.TiledMma, vA: cute.Tensor, vB: cute.Tensor, n0: cutla
 
 
 @cute.jit
+def half_coord(lane, n0: cutlass.Constexpr, i: cutlass.Constexpr):
+    # (row, column) of C slot i of `half_product`'s accumulator for columns n0 ..
+    return lane // 4 + 8 * (i // 2), n0 + 2 * (lane % 4) + i % 2
+
+
+@cute.jit
 def _zero_half(mma: cute.TiledMma, lane, bt: cutlass.Constexpr):
     # A zero accumulator for `half_product`.
     acc = cute.make_rmem_tensor(mma.get_slice(lane).partition_shape_C((bt, 8)), F32)
@@ -177,11 +183,8 @@ def _kgda_sum(mma: cute.TiledMma, sKgDa: cute.Tensor, n0: cutlass.Constexpr, lan
               warps: cutlass.Constexpr):
     # `kg_dakt`'s warps' partial products, added in order, as `half_product`'s accumulator for columns n0 ..
     acc = _zero_half(mma, lane, bt)
-    g = lane // 4
-    t = lane % 4
     for i in cutlass.range_constexpr(4):
-        r = g + 8 * (i // 2)
-        s = n0 + 2 * t + i % 2
+        r, s = half_coord(lane, n0, i)
         for w in cutlass.range_constexpr(warps):
             acc[i] = acc[i] + sKgDa[w, r, s]
     return acc
@@ -190,11 +193,8 @@ def _kgda_sum(mma: cute.TiledMma, sKgDa: cute.Tensor, n0: cutlass.Constexpr, lan
 @cute.jit
 def _store_lower(sOut: cute.Tensor, acc: cute.Tensor, n0: cutlass.Constexpr, lane):
     # `half_product`'s result into sOut, its lower triangle (diagonal included) and zeros above.
-    g = lane // 4
-    t = lane % 4
     for i in cutlass.range_constexpr(4):
-        r = g + 8 * (i // 2)
-        s = n0 + 2 * t + i % 2
+        r, s = half_coord(lane, n0, i)
         sOut[r, s] = cutlass.select_(s <= r, acc[i], F32(0.0))
 
 
@@ -410,14 +410,11 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     # A's columns, sum_i dP_ic T_ic, by the last warp ----
     for job in cutlass.range_constexpr(2):
         if w == job % nw:
-            n0 = 8 * job
             prod = _zero_half(mma, lane, cfg.bt)
-            half_product(mma, t_view, sDP, n0, lane, prod)
-            g = lane // 4
-            t = lane % 4
+            half_product(mma, t_view, sDP, 8 * job, lane, prod)
             for i in cutlass.range_constexpr(4):
-                s = n0 + 2 * t + i % 2
-                sY[g + 8 * (i // 2), s] = prod[i] * sB[s]
+                r, s = half_coord(lane, 8 * job, i)
+                sY[r, s] = prod[i] * sB[s]
     db = F32(0.0)
     db_lane = tidx - 32 * (nw - 1)  # lane of the last warp
     if db_lane >= 0 and db_lane < cfg.bt:
@@ -426,14 +423,10 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     cute.arch.sync_threads()
     for job in cutlass.range_constexpr(2):
         if w == job % nw:
-            n0 = 8 * job
             prod = _zero_half(mma, lane, cfg.bt)
-            half_product(mma, sY, t_view, n0, lane, prod)
-            g = lane // 4
-            t = lane % 4
+            half_product(mma, sY, t_view, 8 * job, lane, prod)
             for i in cutlass.range_constexpr(4):
-                r = g + 8 * (i // 2)
-                s = n0 + 2 * t + i % 2
+                r, s = half_coord(lane, 8 * job, i)
                 d_l = cutlass.select_(s < r, -prod[i], F32(0.0))
                 sDL[r, s] = d_l
                 sDAkk[r, s] = d_l * sB[r]
