@@ -10,7 +10,7 @@ from typing import Any
 
 from kdagen.arch import CHUNK
 from kdagen.dtypes import DTYPES, nbytes
-from kdagen.kernels import bwd_tile_shape, staging_shape
+from kdagen.kernels import bwd_grads_shape, bwd_tile_shape, staging_shape
 from kdagen.kernels.decode_rows import row_words
 from kdagen.spec import KernelSpec
 
@@ -188,14 +188,11 @@ def _bwd_tile_ring(spec: KernelSpec) -> int:
 
 
 def _bwd_grads_ctas(spec: KernelSpec) -> int:
-    """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits (four [16, K + 1]
-    fp32 tiles, the per-warp [16, 16] partial products of K/32 - 1 warps, ten [16, 20] fp32 matrices, beta,
-    the row sums' warp sums and totals and the norms, plus the driver's 1 KB a CTA), but no more than leave
+    """CTAs an SM the bwd_grads stage is compiled for: as many as its shared memory fits
+    (`kdagen.kernels.bwd_grads_shape.smem_bytes`, plus the driver's 1 KB a CTA), but no more than leave
     BWD_GRADS_MIN_REGS registers a thread of its K threads."""
-    k, bt = spec.head_dim_k, CHUNK
-    partials = max(1, k // 32 - 1) * bt * bt
-    words = 4 * bt * (k + 1) + partials + 10 * bt * (bt + 4) + bt + (k // 32 + 1) * 2 * bt + 2 * bt
-    smem = 4 * words + 1024
+    k = spec.head_dim_k
+    smem = bwd_grads_shape.smem_bytes(k, CHUNK) + 1024
     fit = (spec.arch_info.smem_bytes_per_block + 1024) // smem
     return max(1, min(fit, 65536 // (BWD_GRADS_MIN_REGS * k)))
 

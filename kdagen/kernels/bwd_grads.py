@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
+from kdagen.kernels.bwd_grads_shape import MAT_PAD, ROW_PAD, mma_warps
 from kdagen.kernels.common import cu_at, token_rows, zero_padding_tail
 from kdagen.kernels.gate import beta_value, decay, log_decay, sigmoid, softplus
 from kdagen.kernels.prepare_tile import tf32
@@ -39,9 +40,6 @@ L2NORM_EPS = 1e-6  # as the forward's l2norm
 # was ~0.6 of the stage's 4.4 ms at B=2 T=8192 H=64: docs/experiments.md, "Backward: bwd_prepare, loads
 # issued together, the column phase's reads ahead")
 PREFETCH_ROWS = 4
-# Padding of the 16 x 16 matrices' rows in shared memory: a stride of 20 words puts a warp's MMA fragment
-# reads (row g, column t: 8 rows by 4 columns) on 32 different banks.
-MAT_PAD = 4
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,7 @@ class GradsConfig:
 
     @property
     def mma_warps(self) -> int:
-        # warps that form Kg dAkt^T (`kg_dakt`): all but the last, which solves for T meanwhile
-        return max(1, self.k // 32 - 1)
+        return mma_warps(self.k)
 
     @property
     def pairs(self) -> int:
@@ -145,14 +142,17 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
 
 @cute.jit
 def half_product(mma: cute.TiledMma, vA: cute.Tensor, vB: cute.Tensor, n0: cutlass.Constexpr, lane,
-                 acc: cute.Tensor):
-    # acc += vA vB[:, n0 : n0 + 8] (vA, vB: 16 x 16 shared-memory views, A[m, k] and B[k, n], either of them
-    # a transposed view), by one warp in two tf32 MMAs. Fragments (lane = 4 g + t): A slot hh + 2 c2 is
-    # (row g + 8 hh, k t + 4 c2), B slot c2 is (k t + 4 c2, column n0 + g), C slot i is (row g + 8 (i // 2),
-    # column n0 + 2 t + i % 2).
+                 acc=None):
+    # acc + vA vB[:, n0 : n0 + 8] (vA, vB: 16 x 16 shared-memory views, A[m, k] and B[k, n], either of them
+    # a transposed view: `_t`), by one warp in two tf32 MMAs, into acc (a new zero accumulator when none is
+    # given), which it returns. Fragments (lane = 4 g + t): A slot hh + 2 c2 is (row g + 8 hh, k t + 4 c2),
+    # B slot c2 is (k t + 4 c2, column n0 + g), C slot i is `half_coord`'s (row g + 8 (i // 2), column
+    # n0 + 2 t + i % 2).
     g = lane // 4
     t = lane % 4
     thr = mma.get_slice(lane)
+    if cutlass.const_expr(acc is None):
+        acc = _zero_half(mma, lane, 16)
     for ks in cutlass.range_constexpr(2):
         k0 = 8 * ks
         a = cute.make_rmem_tensor(thr.partition_shape_A((16, 8)), cutlass.Int32)
@@ -162,6 +162,13 @@ def half_product(mma: cute.TiledMma, vA: cute.Tensor, vB: cute.Tensor, n0: cutla
                 a[hh + 2 * c2] = tf32(vA[g + 8 * hh, k0 + t + 4 * c2])
             b[c2] = tf32(vB[k0 + t + 4 * c2, n0 + g])
         cute.gemm(mma, acc, a, b, acc)
+    return acc
+
+
+@cute.jit
+def _t(sM: cute.Tensor, bt: cutlass.Constexpr):
+    # The transpose of a [bt, bt] matrix in `grads_tile`'s padded layout, as a view.
+    return cute.make_tensor(sM.iterator, cute.make_layout((bt, bt), stride=(1, bt + MAT_PAD)))
 
 
 @cute.jit
@@ -214,8 +221,8 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     """Tile `tile` (its rows t0 .. t0 + rows) and q/k head h, by the CTA's K threads (`tidx` = key column).
     The gate's tensors (mALog, mDt, mDaLog, mDdt) are None for a precomputed gate."""
     smem = cutlass.memory.SmemAllocator()
-    # Token rows of K columns, padded by one so that 16 threads reading one column of 16 rows hit 16 banks.
-    rows_k = cute.make_layout((cfg.bt, cfg.k), stride=(cfg.k + 1, 1))
+    # The layout `bwd_grads_shape.smem_bytes` counts: token rows of K columns (padded: ROW_PAD), ...
+    rows_k = cute.make_layout((cfg.bt, cfg.k), stride=(cfg.k + ROW_PAD, 1))
     sQ = smem.allocate_tensor(F32, rows_k, 16)  # prepared q (normalised, scaled)
     sK = smem.allocate_tensor(F32, rows_k, 16)  # prepared k (normalised)
     # Kg dAkt^T by the warps' key slices (`kg_dakt`), summed in order where used
@@ -330,9 +337,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     # ---- the value head's decays (cumsum of the log decay in the tile), dAkt, dAq and beta ----
     vDakt = token_rows(mDakt, t0, hv, cfg.bt)
     vDaq = token_rows(mDaq, t0, hv, cfg.bt)
-    # prepare's Mqk and Akk of the tile: [2, bt, bt], compact
-    mats = cute.make_tensor(mMats.iterator + cute.crd2idx((tile, hv, 0, 0, 0), mMats.layout),
-                            cute.make_layout((2, cfg.bt, cfg.bt), stride=(cfg.bt * cfg.bt, cfg.bt, 1)))
+    mats = mMats[tile, hv, None, None, None]  # prepare's Mqk and Akk of the tile
     rG = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     acc = F32(0.0)
     for r in cutlass.range_constexpr(cfg.bt):
@@ -389,29 +394,21 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     w = tidx // 32
     lane = tidx % 32
     nw = cfg.k // 32
-    st = cfg.bt + MAT_PAD
-    t_view = cute.make_tensor(sT.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))  # T^T
     for job in cutlass.range_constexpr(4):
         if w == job % nw:
             n0 = 8 * (job % 2)
             if cutlass.const_expr(job < 2):
                 prod = _kgda_sum(mma, sKgDa, n0, lane, cfg.bt, cfg.mma_warps)
-                aqk_t = cute.make_tensor(sAqk.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))
-                half_product(mma, aqk_t, sDaq, n0, lane, prod)
-                _store_lower(sDP, prod, n0, lane)
+                _store_lower(sDP, half_product(mma, _t(sAqk, cfg.bt), sDaq, n0, lane, prod), n0, lane)
             else:
-                p_t = cute.make_tensor(sP.iterator, cute.make_layout((cfg.bt, cfg.bt), stride=(1, st)))
-                prod = _zero_half(mma, lane, cfg.bt)
-                half_product(mma, sDaq, p_t, n0, lane, prod)
-                _store_lower(sDAqk, prod, n0, lane)
+                _store_lower(sDAqk, half_product(mma, sDaq, _t(sP, cfg.bt), n0, lane), n0, lane)
     cute.arch.sync_threads()
 
     # ---- through the inverse: Y = T^T dP diag(beta), then dL = -Y T^T (strict lower); dbeta's share from
     # A's columns, sum_i dP_ic T_ic, by the last warp ----
     for job in cutlass.range_constexpr(2):
         if w == job % nw:
-            prod = _zero_half(mma, lane, cfg.bt)
-            half_product(mma, t_view, sDP, 8 * job, lane, prod)
+            prod = half_product(mma, _t(sT, cfg.bt), sDP, 8 * job, lane)
             for i in cutlass.range_constexpr(4):
                 r, s = half_coord(lane, 8 * job, i)
                 sY[r, s] = prod[i] * sB[s]
@@ -423,8 +420,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     cute.arch.sync_threads()
     for job in cutlass.range_constexpr(2):
         if w == job % nw:
-            prod = _zero_half(mma, lane, cfg.bt)
-            half_product(mma, sY, t_view, 8 * job, lane, prod)
+            prod = half_product(mma, sY, _t(sT, cfg.bt), 8 * job, lane)
             for i in cutlass.range_constexpr(4):
                 r, s = half_coord(lane, 8 * job, i)
                 d_l = cutlass.select_(s < r, -prod[i], F32(0.0))
@@ -475,8 +471,9 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     rdc.fill(0.0)
     kt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     g_mid = rG[cfg.bt // 2]
-    f_mid = decay(g_last - g_mid)
+    f_mid = F32(0.0)
     if cutlass.const_expr(cfg.safe_gate):
+        f_mid = decay(g_last - g_mid)
         for s in cutlass.range_constexpr(cfg.bt):
             kt[s] = sK[s, c] * decay(g_mid - rG[s])
     acc = d_last
