@@ -1,21 +1,21 @@
 """The backward's per-tile algebra down to the call's inputs: the device code of the `bwd_grads` stage
 (templates/common/bwd_grads.py.j2; kda-math.md §8, stages 5 to 8).
 
-From a tile's products with its states (dQd, dKd, dAkt, dAq, dgt, by `bwd_tile`) and its intra-tile
-matrices Aqk and Akk (by `bwd_prepare`) back through P = (I + L)^-1 diag(beta), Aqk and the decays to the
-prepared q, k, g and beta, then through their transforms (l2norm and scale of q and k, the gate, beta's
-sigmoid) to the inputs as given. One CTA of K threads per (tile, q/k head), fp32 on CUDA cores but for Kg
-dAkt^T (tf32 warp MMAs, `kg_dakt`): every product is 16 x 16 or 16 x K. The CTA takes its head's value heads
-one after the other (GVA), summing their gradients of q and k in registers, so that the group sum and the
-l2norm's backward (which needs whole rows) stay in the CTA. Thread c owns key column c for the column-wise
-parts (the decays' cumsum and its reverse, the intra-tile products back to q and k); the 16 x 16 matrices are
-shared, each thread computing a few of their entries. Without the safe gate the decays exp(G_r - G_s) are
-taken pair by pair (s <= r, so every factor is <= 1): exact for any gate, hard resets included; with it they
-go through a mid-tile anchor (`_value_head`). The gate's parameters get per-tile partial sums ([tile, HV, K])
-that the caller adds up in a fixed order: no float atomics. The gate's and beta's transcendental functions
-take their hardware approximations (ex2.approx, rcp.approx), as the forward's prepare stage does: an IEEE
-division and an accurate exp a row cost more issue slots than the row's arithmetic. `kdagen.tile_grads` is
-the same computation in torch (its reference).
+From a tile's products with its states (dQd, dKd, dAkt, dAq, dgt, by `bwd_tile`) and its intra-tile matrices
+Aqk and Akk (by `bwd_prepare`) back through P = (I + L)^-1 diag(beta), Aqk and the decays to the prepared q,
+k, g and beta, then through their transforms (l2norm and scale of q and k, the gate, beta's sigmoid) to the
+inputs as given. One CTA of K threads per (tile, q/k head), fp32 on CUDA cores but for Kg dAkt^T (`kg_dakt`)
+and the 16 x 16 x 16 products (`half_product`), on tf32 warp MMAs: every product is 16 x 16 or 16 x K. The CTA
+takes its head's value heads one after the other (GVA), summing their gradients of q and k in registers, so
+that the group sum and the l2norm's backward (which needs whole rows) stay in the CTA. Thread c owns key
+column c for the column-wise parts (the decays' cumsum and its reverse, the intra-tile products back to q and
+k); the 16 x 16 matrices are shared, an 8-column half of a product a warp. Without the safe gate the decays
+exp(G_r - G_s) are taken pair by pair (s <= r, so every factor is <= 1): exact for any gate, hard resets
+included; with it they go through a mid-tile anchor (`_value_head`). The gate's parameters get per-tile
+partial sums ([tile, HV, K]) that the caller adds up in a fixed order: no float atomics. The gate's and beta's
+transcendental functions take their hardware approximations (ex2.approx, rcp.approx), as the forward's prepare
+stage does: an IEEE division and an accurate exp a row cost more issue slots than the row's arithmetic.
+`kdagen.tile_grads` is the same computation in torch (its reference).
 """
 
 from dataclasses import dataclass
