@@ -118,8 +118,10 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
             bt: cutlass.Constexpr, k: cutlass.Constexpr, warps: cutlass.Constexpr):
     # Kg dAkt^T (bt x bt, a sum over the k keys) on tensor cores (`grads_mma`), by warps 0 .. warps - 1:
     # warp w sums the 8-key steps w, w + warps, ... into sOut[w]. Fragments (lane = 4 g + t): A slot hh + 2 c2
-    # is (row g + 8 hh, key t + 4 c2), B slot c2 + 2 nb is (key t + 4 c2, column g + 8 nb), C slot i is
-    # (row g + 8 ((i // 2) % 2), column 8 (i // 4) + 2 t + i % 2).
+    # is (row g + 8 hh, k-slot t + 4 c2), B slot c2 + 2 nb is (k-slot t + 4 c2, column g + 8 nb), C slot i is
+    # (row g + 8 ((i // 2) % 2), column 8 (i // 4) + 2 t + i % 2). Step ks's k-slot t + 4 c2 is key
+    # 32 (ks // 4) + ks % 4 + 8 t + 4 c2 (any order of the keys gives the sum): with rows K + 1 words apart,
+    # a load's lanes (row g, key 8 t + ...) fall on 32 banks.
     w = tidx // 32
     lane = tidx % 32
     g = lane // 4
@@ -128,13 +130,13 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
     acc = cute.make_rmem_tensor(thr.partition_shape_C((bt, bt)), F32)
     acc.fill(0.0)
     for ks in range(w, k // 8, warps):
-        k0 = 8 * ks
+        k0 = 32 * (ks // 4) + ks % 4 + 8 * t
         a = cute.make_rmem_tensor(thr.partition_shape_A((bt, 8)), cutlass.Int32)
         b = cute.make_rmem_tensor(thr.partition_shape_B((bt, 8)), cutlass.Int32)
         for hh in cutlass.range_constexpr(2):
             for c2 in cutlass.range_constexpr(2):
-                a[hh + 2 * c2] = tf32(sKg[g + 8 * hh, k0 + t + 4 * c2])
-                b[c2 + 2 * hh] = tf32(sDakt[g + 8 * hh, k0 + t + 4 * c2])
+                a[hh + 2 * c2] = tf32(sKg[g + 8 * hh, k0 + 4 * c2])
+                b[c2 + 2 * hh] = tf32(sDakt[g + 8 * hh, k0 + 4 * c2])
         cute.gemm(mma, acc, a, b, acc)
     for i in cutlass.range_constexpr(cute.size(acc)):
         sOut[w, g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2] = acc[i]
