@@ -258,6 +258,11 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     # load, so the compiler issues a loop's loads together instead of waiting on each. Every access goes
     # through a view of the tile's rows (`token_rows`: 32-bit offsets from one base).
     last = rows - 1
+    # One value head: its loads are issued first, so that their latency passes under the q and k phase's
+    # (for a group, each head issues its own as it starts)
+    first = None
+    if cutlass.const_expr(cfg.gva == 1):
+        first = _head_loads(cfg, mG, mBeta, mALog, mDt, mDakt, mDaq, mDgt, mMats, tile, h, t0, last, tidx)
     vQ = token_rows(mQ, t0, h, cfg.bt)
     vK = token_rows(mK, t0, h, cfg.bt)
     sums = cute.make_rmem_tensor(cute.make_layout((2 * cfg.bt,)), F32)
@@ -291,13 +296,16 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
     if cutlass.const_expr(cfg.gva > 1):
         for j in cutlass.range(cfg.gva, unroll=1):
             cute.arch.sync_threads()  # the previous head's reads of the shared tiles are done
-            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
-                        mDdt, mma, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+            hv = h * cfg.gva + j
+            loads = _head_loads(cfg, mG, mBeta, mALog, mDt, mDakt, mDaq, mDgt, mMats, tile, hv, t0, last,
+                                tidx)
+            _value_head(cfg, mG, mDqd, mDkd, mDg, mDbeta, mDaLog, mDdt, mma, tile, hv, t0, rows, last, tidx,
+                        shared, acc_q, acc_k, loads)
     else:
         for j in cutlass.range_constexpr(1):  # one value head: nothing carried across a loop
             cute.arch.sync_threads()
-            _value_head(cfg, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg, mDbeta, mDaLog,
-                        mDdt, mma, tile, h * cfg.gva + j, t0, rows, last, tidx, shared, acc_q, acc_k)
+            _value_head(cfg, mG, mDqd, mDkd, mDg, mDbeta, mDaLog, mDdt, mma, tile, h * cfg.gva + j, t0, rows,
+                        last, tidx, shared, acc_q, acc_k, first)
 
     # ---- back through the scale and the l2norm: dx = (dy - y (y . dy)) / |x|, y = x / |x| ----
     cute.arch.sync_threads()
@@ -321,32 +329,62 @@ def grads_tile(cfg: cutlass.Constexpr, mQ, mK, mG, mBeta, mALog, mDt, mDqd, mDkd
 
 
 @cute.jit
-def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt, mDaq, mDgt, mMats, mDg,
-                mDbeta, mDaLog, mDdt, mma, tile, hv, t0, rows, last, tidx, shared, acc_q, acc_k):
-    # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
-    # gate's parameters' partial sums) written.
-    sQ, sK, sKgDa, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
+def _head_loads(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDakt, mDaq, mDgt, mMats, tile, hv, t0, last,
+                tidx):
+    # A value head's global reads for `_value_head`, as loaded (nothing waits on them here): its g and dAkt
+    # of column tidx (rows past the tile's end read its last row), its dAq and Mqk / Akk entries (`pairs` a
+    # thread), beta of row tidx % bt, dgt of column tidx and the gate's parameters.
     c = tidx
-    a_scale = F32(1.0)
+    raw_g = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), mG.element_type)
+    raw_a = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
+    vG = token_rows(mG, t0, hv, cfg.bt)
+    vDakt = token_rows(mDakt, t0, hv, cfg.bt)
+    for r in cutlass.range_constexpr(cfg.bt):
+        tr = cutlass.min(r, last)
+        raw_g[r] = vG[tr, c]
+        raw_a[r] = vDakt[tr, c]
+    vDaq = token_rows(mDaq, t0, hv, cfg.bt)
+    mats = mMats[tile, hv, None, None, None]  # prepare's Mqk and Akk of the tile
+    raw_m = cute.make_rmem_tensor(cute.make_layout((3, cfg.pairs)), F32)  # dAq, Mqk, Akk
+    for j in cutlass.range_constexpr(cfg.pairs):
+        e = tidx + cfg.k * j
+        r = e // cfg.bt
+        s = e % cfg.bt
+        raw_m[0, j] = vDaq[cutlass.min(r, last), s]
+        raw_m[1, j] = mats[0, r, s]
+        raw_m[2, j] = mats[1, r, s]
+    raw_b = mBeta[t0 + cutlass.min(tidx % cfg.bt, last), hv]
+    dgt = mDgt[tile, hv, c]
+    a_log = F32(0.0)
     dt = F32(0.0)
     if cutlass.const_expr(cfg.gate != "precomputed"):
-        a_scale = cute.math.exp(mALog[hv])
+        a_log = mALog[hv]
         dt = mDt[hv, c]
+    return raw_g, raw_a, raw_m, raw_b, dgt, a_log, dt
+
+
+@cute.jit
+def _value_head(cfg: cutlass.Constexpr, mG, mDqd, mDkd, mDg, mDbeta, mDaLog, mDdt, mma, tile, hv, t0, rows,
+                last, tidx, shared, acc_q, acc_k, loads):
+    # One value head of the tile: its gradients of q and k added to acc_q and acc_k, of g and beta (and the
+    # gate's parameters' partial sums) written; `loads` are its `_head_loads`.
+    sQ, sK, sKgDa, sKg, sDakt, sAqk, sAkk, sT, sP, sDaq, sDP, sDAqk, sY, sDL, sDAkk, sB = shared
+    c = tidx
+    raw_g, raw_a, raw_m, raw_b, dgt, a_log, dt = loads
+    a_scale = F32(1.0)
+    if cutlass.const_expr(cfg.gate != "precomputed"):
+        a_scale = cute.math.exp(a_log)
     vG = token_rows(mG, t0, hv, cfg.bt)
     vDqd = token_rows(mDqd, t0, hv, cfg.bt)
     vDkd = token_rows(mDkd, t0, hv, cfg.bt)
     vDg = token_rows(mDg, t0, hv, cfg.bt)
     # ---- the value head's decays (cumsum of the log decay in the tile), dAkt, dAq and beta ----
-    vDakt = token_rows(mDakt, t0, hv, cfg.bt)
-    vDaq = token_rows(mDaq, t0, hv, cfg.bt)
-    mats = mMats[tile, hv, None, None, None]  # prepare's Mqk and Akk of the tile
     rG = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     acc = F32(0.0)
     for r in cutlass.range_constexpr(cfg.bt):
-        tr = cutlass.min(r, last)
-        g_r = log_decay(vG[tr, c].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
+        g_r = log_decay(raw_g[r].to(F32), dt, a_scale, cfg.gate, cfg.lower_bound, True)
         x_g = cutlass.select_(r < rows, g_r, F32(0.0))
-        x_a = cutlass.select_(r < rows, vDakt[tr, c], F32(0.0))
+        x_a = cutlass.select_(r < rows, raw_a[r], F32(0.0))
         acc = acc + x_g
         rG[r] = acc
         sDakt[r, c] = x_a
@@ -357,16 +395,13 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
         e = tidx + cfg.k * j
         r = e // cfg.bt
         s = e % cfg.bt
-        sDaq[r, s] = cutlass.select_(r < rows, vDaq[cutlass.min(r, last), s], F32(0.0))
+        sDaq[r, s] = cutlass.select_(r < rows, raw_m[0, j], F32(0.0))
         # Aqk and Akk, the lower triangles (Akk's without its unused diagonal) of prepare's products; zero
         # above (the entries nothing reads are read and dropped).
-        sAqk[r, s] = cutlass.select_(s <= r, mats[0, r, s], F32(0.0))
-        sAkk[r, s] = cutlass.select_(s < r, mats[1, r, s], F32(0.0))
+        sAqk[r, s] = cutlass.select_(s <= r, raw_m[1, j], F32(0.0))
+        sAkk[r, s] = cutlass.select_(s < r, raw_m[2, j], F32(0.0))
     if tidx < cfg.bt:
-        b = F32(0.0)
-        if tidx < rows:
-            b = beta_value(mBeta[t0 + tidx, hv].to(F32), cfg.beta)
-        sB[tidx] = b
+        sB[tidx] = cutlass.select_(tidx < rows, beta_value(raw_b.to(F32), cfg.beta), F32(0.0))
     cute.arch.sync_threads()
 
     # ---- T = (I + L)^-1, L = the strict lower triangle of diag(beta) Akk: lane j < 16 of the last warp
@@ -435,7 +470,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
             db = db + sDL[db_lane, i] * sAkk[db_lane, i]
         if db_lane < rows:
             if cutlass.const_expr(cfg.beta != "prob"):
-                sg = sigmoid(mBeta[t0 + db_lane, hv].to(F32), True)
+                sg = sigmoid(raw_b.to(F32), True)  # (beta of row db_lane: db_lane = tidx % bt here)
                 db = db * sg * (1.0 - sg)
                 if cutlass.const_expr(cfg.beta == "logit_x2"):
                     db = db * 2.0
@@ -454,7 +489,7 @@ def _value_head(cfg: cutlass.Constexpr, mG, mBeta, mALog, mDt, mDqd, mDkd, mDakt
     d_akt = cute.make_rmem_tensor(cute.make_layout((cfg.bt,)), F32)
     for i in cutlass.range_constexpr(cfg.bt):
         d_akt[i] = sDakt[i, c]
-    d_last = mDgt[tile, hv, c] * decay(g_last)  # exp(G_last) on the state
+    d_last = dgt * decay(g_last)  # exp(G_last) on the state
     for r in cutlass.range_constexpr(cfg.bt):
         dkg = F32(0.0)
         for i in cutlass.range_constexpr(r + 1):
