@@ -120,8 +120,8 @@ def kg_dakt(mma: cute.TiledMma, sKg: cute.Tensor, sDakt: cute.Tensor, sOut: cute
     # warp w sums the 8-key steps w, w + warps, ... into sOut[w]. Fragments (lane = 4 g + t): A slot hh + 2 c2
     # is (row g + 8 hh, k-slot t + 4 c2), B slot c2 + 2 nb is (k-slot t + 4 c2, column g + 8 nb), C slot i is
     # (row g + 8 ((i // 2) % 2), column 8 (i // 4) + 2 t + i % 2). Step ks's k-slot t + 4 c2 is key
-    # 32 (ks // 4) + ks % 4 + 8 t + 4 c2 (any order of the keys gives the sum): with rows K + 1 words apart,
-    # a load's lanes (row g, key 8 t + ...) fall on 32 banks.
+    # 32 (ks // 4) + ks % 4 + 8 t + 4 c2 (any order of the keys gives the sum): with rows K + 1 words apart
+    # (`ROW_PAD`), a load's lanes (row g, key 8 t + ...) fall on 32 banks.
     w = tidx // 32
     lane = tidx % 32
     g = lane // 4

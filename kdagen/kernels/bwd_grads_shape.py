@@ -6,7 +6,8 @@ from __future__ import annotations
 __all__ = ["MAT_PAD", "ROW_PAD", "mma_warps", "smem_bytes"]
 
 # Padding of a [16, K] fp32 tile's rows: one word, so that 16 threads reading one column of 16 rows hit 16
-# banks.
+# banks; `bwd_grads.kg_dakt`'s order of the keys relies on it too (rows K + 1 = 1 mod 32 words apart put its
+# fragment loads on 32 banks).
 ROW_PAD = 1
 # Padding of the 16 x 16 matrices' rows: a stride of 20 words puts a warp's MMA fragment reads (row g,
 # column t: 8 rows by 4 columns) on 32 different banks.
